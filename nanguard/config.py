@@ -1,0 +1,147 @@
+"""Settings: the one place that reads ``NANGUARD_*`` environment variables.
+
+Precedence: keyword arguments to ``nanguard.init`` > environment > defaults. Every field can be
+set from the environment as ``NANGUARD_<FIELD>`` (upper case); lists are comma-separated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+POLICIES = ("raise", "skip", "warn")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE - {''})}")
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _parse_optional_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none", "off") else float(text)
+
+
+def _parse_optional_str(text: str) -> str | None:
+    return text.strip() or None
+
+
+def _setting(default: Any, parse, doc: str):
+    return field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Settings:
+    """How a guard behaves. Field names are the ``init`` keywords and, upper-cased with a
+    ``NANGUARD_`` prefix, the environment variables."""
+
+    on_nan: str = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
+    dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
+    coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
+    token: str | None = _setting(None, _parse_optional_str, "shared secret for coordinator messages")
+    replay: str | None = _setting(None, _parse_optional_str, "incident folder to replay")
+    disable: bool = _setting(False, _parse_bool, "install nothing; init returns an inert guard")
+    max_events: int = _setting(256, int, "size of the in-memory ring of recent events")
+    max_pending: int = _setting(
+        65536, int, "checks held between two decisions before they are settled early (bounds memory)"
+    )
+    detail_mb: float = _setting(
+        64.0, float, "MiB of the step's first checked tensors kept for an exact report (0: none)"
+    )
+    grad_norm_warn: float | None = _setting(
+        None, _parse_optional_float, "warn when the total gradient norm exceeds this"
+    )
+    spike_factor: float = _setting(
+        10.0, float, "warn when the gradient norm exceeds this many times its running level"
+    )
+    spike_warmup_steps: int = _setting(10, int, "clean steps before the spike detector arms")
+    param_grad_norms: bool = _setting(
+        False, _parse_bool, "read every parameter's gradient norm each step (more detail, a bigger read)"
+    )
+    skip_types: tuple[str, ...] = _setting(
+        (), _parse_list, "module class names whose outputs may be non-finite on purpose"
+    )
+    skip_modules: tuple[str, ...] = _setting(
+        (), _parse_list, "module name patterns (fnmatch) whose outputs may be non-finite on purpose"
+    )
+
+    def __post_init__(self) -> None:
+        if self.on_nan not in POLICIES:
+            raise ConfigError(f"on_nan={self.on_nan!r} is not one of {', '.join(POLICIES)}")
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ConfigError(f"dir={self.dir!r} must be a non-empty path")
+        if self.coordinator is not None and not self.coordinator.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                f"coordinator={self.coordinator!r} must look like tcp://host:port or ipc:///path"
+            )
+        for name in ("max_events", "max_pending", "spike_warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if not (isinstance(self.detail_mb, (int, float)) and 0 <= self.detail_mb < math.inf):
+            raise ConfigError(f"detail_mb={self.detail_mb!r} must be a number of MiB, 0 or more")
+        if self.grad_norm_warn is not None and not (
+            isinstance(self.grad_norm_warn, (int, float)) and self.grad_norm_warn > 0
+            and math.isfinite(self.grad_norm_warn)
+        ):
+            raise ConfigError(f"grad_norm_warn={self.grad_norm_warn!r} must be a positive number or None")
+        if not (isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1
+                and math.isfinite(self.spike_factor)):
+            raise ConfigError(f"spike_factor={self.spike_factor!r} must be a number above 1")
+        for name in ("disable", "param_grad_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("skip_types", "skip_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, (str, type)) for v in value):
+                raise ConfigError(f"{name}={value!r} must be a list of names")
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from keyword overrides, else ``NANGUARD_*`` variables, else defaults."""
+        environ = os.environ if environ is None else environ
+        overrides = dict(overrides or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown nanguard setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}"
+            )
+        values: dict[str, Any] = {}
+        from_env: list[str] = []
+        for name, f in fields.items():
+            if name in overrides:
+                value = overrides[name]
+                if name in ("skip_types", "skip_modules") and isinstance(value, (list, set)):
+                    value = tuple(value)
+                values[name] = value
+                continue
+            variable = "NANGUARD_" + name.upper()
+            if variable in environ:
+                try:
+                    values[name] = f.metadata["parse"](environ[variable])
+                except ValueError as exc:
+                    raise ConfigError(f"{variable}={environ[variable]!r} is invalid: {exc}") from None
+                from_env.append(variable)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if not from_env:
+                raise
+            raise ConfigError(f"{exc} (environment variables in use: {', '.join(from_env)})") from None

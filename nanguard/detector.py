@@ -1,0 +1,484 @@
+"""Hooks and device flags: find non-finite values without syncing the host. No I/O.
+
+Every checked tensor leaves one *probe*: a 0-d device tensor (its float32 sum, exact for
+NaN and Inf: NaN + x = NaN, Inf + -Inf = NaN) appended to a list with a little metadata.
+Nothing is read on the hot path; ``summary()`` folds the probes into one device scalar that
+the guard reads once per optimizer step, and only when that scalar is non-finite does
+``first_bad()`` look at the probes one by one, in the order they were made.
+
+What is probed:
+- the floating-point tensors in the output of every leaf module (and of every module that
+  owns parameters directly, such as ``nn.MultiheadAttention``, whose ``out_proj`` never runs);
+- the inputs of such a module, unless they are outputs already probed and not modified in
+  place since (so a value born in code *between* modules is told apart from one born inside);
+- the root module's inputs (the batch), the gradient flowing back into its outputs (what
+  the loss sent), tensors given to ``Guard.check``, and every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import weakref
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import forensics
+
+# probe roles
+OUT, IN, BATCH, CHECK, BACKWARD = range(5)
+
+# Modules whose output is finite whenever their input is: their outputs need no probe of
+# their own, the probe of their input covers them.
+_FINITE_PRESERVING = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softsign, nn.Identity, nn.Flatten,
+    nn.Unflatten, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
+    nn.LogSoftmax, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)
+# Wrappers whose child is the user's model: their attribute name is left out of layer names.
+_WRAPPERS = {
+    "DistributedDataParallel", "DataParallel", "OptimizedModule", "FullyShardedDataParallel",
+    "CheckpointWrapper", "OffloadWrapper", "_LightningModuleWrapperBase",
+}
+_MAX_NESTING = 32
+_MAX_CHECK_NAMES = 1024
+_MAX_BACKWARD_PROBES = 1024
+
+CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+
+
+def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """The floating-point (and complex) tensors in a nest of tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() or obj.is_complex() else []
+    found: list[torch.Tensor] = []
+    if _depth >= _MAX_NESTING:
+        return found
+    if isinstance(obj, (list, tuple)):
+        items: Iterable[Any] = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return found
+    for item in items:
+        found.extend(floating_tensors(item, _depth + 1))
+    return found
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view)."""
+    if type(tensor) is not torch.Tensor:
+        to_local = getattr(tensor, "to_local", None)
+        if to_local is not None:
+            tensor = to_local()
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.detach()
+
+
+def probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor that is non-finite when ``tensor`` has a NaN or an Inf (no host sync).
+
+    Half-precision tensors are summed in float32. A float32 sum can also overflow on huge
+    finite values (|sum| > 3.4e38): ``first_bad`` confirms such a case exactly when it can.
+    """
+    return _sum(plain(tensor))
+
+
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.sum(dtype=torch.float32)
+    return tensor.sum()
+
+
+def plain_name(root: nn.Module) -> dict[nn.Module, str]:
+    """Qualified names of every submodule, with wrapper attributes (DDP's ``module.``) left out."""
+    names: dict[nn.Module, str] = {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if module in names:
+            return
+        names[module] = prefix
+        wrapper = type(module).__name__ in _WRAPPERS
+        for child_name, child in module.named_children():
+            walk(child, prefix if wrapper else f"{prefix}.{child_name}".lstrip("."))
+
+    walk(root, "")
+    return names
+
+
+def type_name(module: nn.Module) -> str:
+    cls = type(module)
+    # FSDP2's fully_shard swaps the class for FSDP<Original>(FSDPModule, Original).
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
+        cls = cls.__bases__[1]
+    return cls.__name__
+
+
+@dataclasses.dataclass(slots=True)
+class _Slot:
+    name: str
+    module_type: str
+    module: weakref.ref
+    root: bool = False
+
+
+class Detector:
+    """Installs the hooks and keeps the probes of the current step."""
+
+    def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
+                 detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None):
+        self._skip_types = tuple(skip_types)
+        self._skip_modules = tuple(skip_modules)
+        self.on_root_end = on_root_end
+        self._detail_bytes = detail_bytes
+        self._kept_bytes = 0
+        self.slots: list[_Slot] = []
+        self.param_names: dict[int, str] = {}
+        self.param_owner: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._check_names: dict[str, int] = {}
+        self._vals: list[torch.Tensor] = []
+        self._meta: list[tuple] = []
+        self._bvals: list[torch.Tensor] = []
+        self._bmeta: list[tuple] = []
+        self._spans: list[tuple[int, int, int]] = []  # (first probe index, root slot, micro-batch)
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._forwards: dict[int, int] = {}
+        self._stacked: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ installing
+    def owns(self, module: nn.Module) -> bool:
+        return module in self._modules
+
+    def attach(self, root: nn.Module, prefix: str = "") -> int:
+        """Hook ``root`` and every leaf below it; returns the root's slot."""
+        names = plain_name(root)
+        for module, name in names.items():
+            if module in self._modules:
+                continue
+            qualified = f"{prefix}.{name}".strip(".") if prefix else name
+            slot = len(self.slots)
+            self.slots.append(_Slot(qualified, type_name(module), weakref.ref(module)))
+            self._modules[module] = slot
+            for pname, param in module.named_parameters(recurse=False):
+                self.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
+                self.param_owner.setdefault(id(param), slot)
+            has_own_params = any(p is not None for p in module._parameters.values())
+            if next(module.children(), None) is None or has_own_params:
+                hook = self._make_hook(slot, self._mode(module, qualified))
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        root_slot = self._modules[root]
+        self.slots[root_slot].root = True
+        self._handles.append(root.register_forward_pre_hook(
+            self._make_root_pre(root_slot), with_kwargs=True))
+        self._handles.append(root.register_forward_hook(
+            self._make_root_post(root_slot), with_kwargs=True))
+        return root_slot
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._modules = weakref.WeakKeyDictionary()
+        self.reset()
+
+    def _mode(self, module: nn.Module, name: str) -> int:
+        cls = type(module)
+        if any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
+               for t in self._skip_types) or any(fnmatch.fnmatchcase(name, p) for p in self._skip_modules):
+            return SKIP_MODE
+        if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
+            return PASS_MODE
+        return CHECK_MODE
+
+    # ------------------------------------------------------------------ hot path
+    def _add(self, tensor: torch.Tensor, role: int, slot: int) -> None:
+        local = plain(tensor)
+        self._vals.append(_sum(local))
+        ref = weakref.ref(tensor)
+        kept: Any = ref
+        if self._kept_bytes < self._detail_bytes:
+            # Keep the step's first tensors (up to a byte budget) so a bad one can be described
+            # exactly after the backward pass has freed the activations.
+            size = local.numel() * local.element_size()
+            if self._kept_bytes + size <= self._detail_bytes:
+                self._kept_bytes += size
+                kept = local
+        self._meta.append((role, slot, kept, tensor._version, tensor.shape, tensor.dtype))
+        self._seen[id(tensor)] = (ref, tensor._version)
+
+    def _is_seen(self, tensor: torch.Tensor) -> bool:
+        entry = self._seen.get(id(tensor))
+        return entry is not None and entry[0]() is tensor and entry[1] == tensor._version
+
+    def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
+
+    def _make_hook(self, slot: int, mode: int):
+        def hook(module, args, kwargs, output):
+            if torch.compiler.is_compiling():
+                # Inside a compiled graph only tensor math and list appends: no graph break.
+                if mode == CHECK_MODE:
+                    for tensor in floating_tensors(output):
+                        self._vals.append(probe(tensor))
+                        self._meta.append((OUT, slot, None, 0, None, None))
+                return None
+            outputs = floating_tensors(output)
+            if mode == SKIP_MODE:
+                self._mark_seen(outputs)
+                return None
+            for tensor in floating_tensors(args) + (floating_tensors(kwargs) if kwargs else []):
+                if not self._is_seen(tensor):
+                    self._add(tensor, IN, slot)
+            if mode == PASS_MODE:
+                self._mark_seen(outputs)
+            else:
+                for tensor in outputs:
+                    self._add(tensor, OUT, slot)
+            return None
+
+        return hook
+
+    def _make_root_pre(self, root_slot: int):
+        @torch.compiler.disable
+        def root_pre(module, args, kwargs):
+            self.root_pre(root_slot, args, kwargs)
+            return None
+
+        return root_pre
+
+    def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
+        """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
+        micro_batch = self._forwards.get(root_slot, 0)
+        self._forwards[root_slot] = micro_batch + 1
+        self._spans.append((len(self._meta), root_slot, micro_batch))
+        for tensor in floating_tensors(args) + floating_tensors(kwargs):
+            if not self._is_seen(tensor):
+                self._add(tensor, BATCH, root_slot)
+
+    def slot_of(self, module: nn.Module) -> int:
+        return self._modules[module]
+
+    def _make_root_post(self, root_slot: int):
+        @torch.compiler.disable
+        def root_post(module, args, kwargs, output):
+            if torch.is_grad_enabled():
+                micro_batch = self._forwards.get(root_slot, 1) - 1
+                for tensor in floating_tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._make_backward_hook(root_slot, micro_batch))
+            if self.on_root_end is not None:
+                self.on_root_end()
+            return None
+
+        return root_post
+
+    def _make_backward_hook(self, root_slot: int, micro_batch: int):
+        def backward_hook(grad):
+            # Advisory only: a GradScaler's deliberately overflowing steps send Inf here, and
+            # it skips those steps itself. Consulted once the gradients are known to be bad.
+            if len(self._bvals) >= _MAX_BACKWARD_PROBES:
+                del self._bvals[: _MAX_BACKWARD_PROBES // 2], self._bmeta[: _MAX_BACKWARD_PROBES // 2]
+            self._bvals.append(probe(grad))
+            self._bmeta.append((BACKWARD, root_slot, None, micro_batch, grad.shape, grad.dtype))
+            return None
+
+        return backward_hook
+
+    def check(self, tensor: torch.Tensor, name: str) -> None:
+        index = self._check_names.get(name)
+        if index is None:
+            if len(self._check_names) >= _MAX_CHECK_NAMES:
+                name = "(other)"
+            index = self._check_names.setdefault(name, len(self._check_names))
+        if tensor.is_floating_point() or tensor.is_complex():
+            self._add(tensor, CHECK, index)
+
+    # ------------------------------------------------------------------ decision support
+    @property
+    def pending(self) -> int:
+        return len(self._vals)
+
+    def summary(self) -> torch.Tensor | None:
+        """One device scalar, non-finite when some probe of this step is (no host sync)."""
+        if not self._vals:
+            self._stacked = None
+            return None
+        try:
+            stacked = torch.stack(self._vals)
+        except RuntimeError:  # probes on several devices (pipeline stages, offloaded modules)
+            device = self._vals[0].device
+            stacked = torch.stack([v.to(device, non_blocking=True) for v in self._vals])
+        self._stacked = stacked
+        return stacked.sum()
+
+    def reset(self) -> None:
+        """Forget this step's probes (after a decision)."""
+        self._vals.clear()
+        self._meta.clear()
+        self._bvals.clear()
+        self._bmeta.clear()
+        self._spans.clear()
+        self._seen.clear()
+        self._kept_bytes = 0
+        self._forwards.clear()
+        self._stacked = None
+
+    def micro_batch_of(self, index: int) -> tuple[int | None, int | None]:
+        position = bisect_right(self._spans, (index, math.inf, math.inf)) - 1
+        if position < 0:
+            return None, None
+        _, root_slot, micro_batch = self._spans[position]
+        return root_slot, micro_batch
+
+    def first_bad(self) -> dict[str, Any] | None:
+        """Event fields of the step's first non-finite probe, confirmed exactly; slow."""
+        if self._stacked is None:
+            return None
+        return self._scan(self._stacked.tolist(), self._meta)
+
+    def first_bad_backward(self) -> dict[str, Any] | None:
+        """Event fields of the first non-finite gradient sent into a root's output; slow."""
+        if not self._bvals:
+            return None
+        device = self._bvals[0].device
+        return self._scan(torch.stack([v.to(device) for v in self._bvals]).tolist(), self._bmeta)
+
+    def _scan(self, values: list[float], meta: list[tuple]) -> dict[str, Any] | None:
+        for index, value in enumerate(values):
+            if math.isfinite(value):
+                continue
+            role, slot, ref, version, shape, dtype = meta[index]
+            tensor = ref() if isinstance(ref, weakref.ref) else ref
+            if tensor is not None and tensor._version != version:
+                tensor = None  # changed in place since: its content is no longer what was probed
+            if tensor is not None:
+                stats = forensics.describe(tensor)
+                if not stats["bad_count"]:
+                    continue  # a float32 sum that overflowed on finite values
+            else:
+                stats = {"has_nan": math.isnan(value), "has_inf": not math.isnan(value)}
+                if shape is not None:
+                    stats |= {"shape": tuple(shape), "numel": math.prod(shape),
+                              "dtype": str(dtype).removeprefix("torch.")}
+            return self._explain(index, role, slot, stats, values)
+        return None
+
+    def _explain(self, index: int, role: int, slot: int, stats: dict[str, Any],
+                 values: list[float]) -> dict[str, Any]:
+        if role == BACKWARD:
+            root_slot, micro_batch = slot, self._bmeta[index][3]
+        else:
+            root_slot, micro_batch = self.micro_batch_of(index)
+        fields: dict[str, Any] = {"micro_batch": micro_batch, **stats}
+        unexact = "bad_count" not in stats
+        if unexact:
+            fields["message"] = ("element detail was not kept on the fast path"
+                                 " (the tensor was freed); replay the step for it")
+        if role == CHECK:
+            name = next(n for n, i in self._check_names.items() if i == slot)
+            return fields | {"kind": "loss" if name == "loss" else "check", "layer": name,
+                             "micro_batch": None}
+        info = self.slots[slot]
+        if role == BACKWARD:
+            return fields | {"kind": "loss", "layer": "loss", "message": _join(
+                f"the forward was finite but the gradient sent into the output of"
+                f" {info.name or 'the model'} ({info.module_type}) was not: the loss, or code"
+                " between the model and the loss, made it (guard.check(loss) shows its value)",
+                fields.get("message"))}
+        fields |= {"layer": info.name, "module_type": info.module_type}
+        later_out = [i for i in range(index + 1, len(values)) if self._meta[i][0] == OUT]
+        bad_out = next((i for i in later_out if not math.isfinite(values[i])), None)
+        if role == OUT:
+            note = "inputs were finite: the value was born in this module"
+            module = info.module()
+            bad_params = [n for n, p in (module.named_parameters(recurse=False) if module else [])
+                          if not forensics.is_finite(p)]
+            if bad_params:
+                note = f"inputs were finite but its parameter(s) {', '.join(bad_params)} are not"
+            return fields | {"kind": "forward", "input_nonfinite": False, "output_nonfinite": True,
+                             "message": _join(note, fields.get("message"))}
+        same_call_bad = bad_out is not None and self._meta[bad_out][1] == slot
+        if role == IN:
+            before = [self.slots[m[1]].name for m in self._meta[:index] if m[0] == OUT]
+            parent = _common_parent(info.name, before[-1] if before else "")
+            where = f"the forward code of {parent or 'the root module'}"
+            return fields | {"kind": "forward", "input_nonfinite": True,
+                             "output_nonfinite": same_call_bad, "message": _join(
+                                 "its input was already non-finite: the value was born outside any"
+                                 f" module, in {where} (before this module ran)", fields.get("message"))}
+        # BATCH: the root's own inputs; name the first module the bad batch reached
+        if bad_out is not None:
+            first = self.slots[self._meta[bad_out][1]]
+            fields |= {"layer": first.name, "module_type": first.module_type}
+        return fields | {"kind": "forward", "input_nonfinite": True,
+                         "output_nonfinite": bad_out is not None, "message": _join(
+                             f"the input batch of {info.name or 'the model'} was already non-finite",
+                             fields.get("message"))}
+
+    def backward_order(self) -> list[int]:
+        """Module slots in the order their gradients are produced: reverse of execution order."""
+        order: dict[int, None] = {}
+        for role, slot, *_ in self._meta:
+            if role in (OUT, IN):
+                order.setdefault(slot, None)
+        return list(reversed(order))
+
+
+def _join(*parts: str | None) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _common_parent(name: str, previous: str) -> str:
+    """The innermost module containing both names (whose forward code ran between them)."""
+    own = name.split(".")[:-1]
+    other = previous.split(".")[:-1] if previous else own
+    common = []
+    for a, b in zip(own, other):
+        if a != b:
+            break
+        common.append(a)
+    return ".".join(common)
+
+
+def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters that have a gradient, their gradients as plain dense tensors)."""
+    owners, grads = [], []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
+            grad = grad.to_local()
+        if grad.is_sparse:
+            grad = grad.coalesce().values()
+        owners.append(param)
+        grads.append(grad.detach())
+    return owners, grads
+
+
+def grad_norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-gradient L2 norms and their total, from one fused pass (no host sync).
+
+    The total is non-finite when any gradient element is, or when a norm overflows on
+    finite values; the caller confirms exactly before reporting.
+    """
+    norms = list(torch._foreach_norm(grads))
+    try:
+        stacked = torch.stack(norms)
+    except RuntimeError:  # gradients on several devices
+        stacked = torch.stack([n.to(norms[0].device, non_blocking=True) for n in norms])
+    if stacked.dtype in (torch.float16, torch.bfloat16):
+        stacked = stacked.float()
+    return norms, torch.linalg.vector_norm(stacked)

@@ -1,0 +1,57 @@
+"""Exceptions raised by nanguard.
+
+    NanguardError
+     ├── ConfigError        (also a ValueError)  a setting or an argument is invalid
+     ├── GuardClosedError                          a closed guard was used
+     ├── NonFiniteError     (also a RuntimeError) a NaN/Inf stopped the step on every rank
+     ├── StopRequested      (also a RuntimeError) the coordinator or an operator stopped the job
+     └── ProtocolError      (also a ValueError)   a malformed or unauthenticated wire message
+
+Catch ``RuntimeError`` to treat a nanguard stop like any other training failure, or
+``nanguard.NonFiniteError`` to handle it on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .events import Event
+
+
+class NanguardError(Exception):
+    """Base of every exception nanguard raises."""
+
+
+class ConfigError(NanguardError, ValueError):
+    """A setting (keyword argument or NANGUARD_* variable) has an invalid value."""
+
+
+class GuardClosedError(NanguardError):
+    """A guard was used after ``close()``."""
+
+
+class NonFiniteError(NanguardError, RuntimeError):
+    """A non-finite value stopped training before the optimizer applied the bad update.
+
+    Raised on every rank at the same step. ``event`` is the job's first event (the same on
+    every rank), ``incident`` the directory the state was saved in, or None.
+    """
+
+    def __init__(self, message: str, event: Event, incident: str | None = None):
+        super().__init__(message)
+        self.event = event
+        self.incident = incident
+
+
+class StopRequested(NanguardError, RuntimeError):
+    """The coordinator or an operator asked the job to stop; raised on every rank at one step."""
+
+    def __init__(self, message: str, step: int, reason: str = "operator"):
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
+
+
+class ProtocolError(NanguardError, ValueError):
+    """A wire message was malformed, too large, of an unknown version, or unauthenticated."""

@@ -1,0 +1,196 @@
+"""Event: one observation of a non-finite value or a warning sign, and the ring that keeps them.
+
+Events are plain data: JSON-serialisable through ``to_dict``/``from_dict`` (non-finite floats
+travel as the strings "nan", "inf", "-inf"), one line through ``str()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ProtocolError
+
+#: kinds that stop a step; the rest (grad_norm, spike) are warnings.
+STOP_KINDS = ("forward", "loss", "check", "backward", "grad")
+WARN_KINDS = ("grad_norm", "spike")
+KINDS = STOP_KINDS + WARN_KINDS
+
+
+def _json_float(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _read_float(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ProtocolError(f"event field {name}={value!r} is not a number")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+@dataclass(slots=True)
+class Event:
+    """Where and what: one non-finite tensor (or a gradient-norm warning) seen on one rank."""
+
+    kind: str
+    """forward | loss | check | backward | grad | grad_norm | spike"""
+    rank: int
+    step: int
+    """0-based index of the optimizer step it happened in"""
+    layer: str
+    """qualified module or parameter name (wrappers such as DDP's ``module.`` stripped)"""
+    module_type: str = ""
+    micro_batch: int | None = None
+    """which forward of the root module within the step (gradient accumulation), if known"""
+    has_nan: bool = False
+    has_inf: bool = False
+    input_nonfinite: bool | None = None
+    """True when the module's inputs were already non-finite (it passed the value on)"""
+    output_nonfinite: bool | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    numel: int | None = None
+    bad_count: int | None = None
+    nan_count: int | None = None
+    inf_count: int | None = None
+    finite_min: float | None = None
+    finite_max: float | None = None
+    finite_mean: float | None = None
+    first_index: tuple[int, ...] | None = None
+    first_value: float | None = None
+    grad_norm: float | None = None
+    host: str = ""
+    time: float = 0.0
+    message: str = ""
+    """one clause of context (what the input told, what is suspected)"""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """small kind-specific data (per-parameter norms of a spike, ...)"""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"):
+            out[name] = _json_float(out[name])
+        for name in ("shape", "first_index"):
+            if out[name] is not None:
+                out[name] = list(out[name])
+        out["extra"] = dict(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Event:
+        """Rebuild an event from ``to_dict`` output; raises ProtocolError on anything else."""
+        if not isinstance(data, dict):
+            raise ProtocolError(f"an event must be a JSON object, got {type(data).__name__}")
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(names)
+        if unknown:
+            raise ProtocolError(f"event has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+        for required in ("kind", "rank", "step", "layer"):
+            if required not in data:
+                raise ProtocolError(f"event is missing the field {required!r}")
+        if data["kind"] not in KINDS:
+            raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+        values = dict(data)
+        for name in ("rank", "step", "micro_batch", "numel", "bad_count", "nan_count", "inf_count"):
+            value = values.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ProtocolError(f"event field {name}={value!r} is not an integer")
+        for name in ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"):
+            values[name] = _read_float(values.get(name), name)
+        for name in ("shape", "first_index"):
+            value = values.get(name)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value
+                ):
+                    raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
+                values[name] = tuple(value)
+        for name in ("layer", "module_type", "host", "message"):
+            if name in values and not isinstance(values[name], str):
+                raise ProtocolError(f"event field {name}={values[name]!r} is not a string")
+        if "extra" in values and not isinstance(values["extra"], dict):
+            raise ProtocolError("event field extra is not an object")
+        return cls(**values)
+
+    def where(self) -> str:
+        what = {
+            "forward": "non-finite output in",
+            "loss": "non-finite loss",
+            "check": "non-finite value in",
+            "backward": "non-finite gradient flowing into the output of",
+            "grad": "non-finite gradient of",
+            "grad_norm": "large gradient norm",
+            "spike": "gradient norm spike",
+        }[self.kind]
+        if self.kind == "forward" and self.input_nonfinite:
+            what = "non-finite input to"
+        subject = "" if self.kind in ("loss", "grad_norm", "spike") else f" {self.layer}"
+        if self.module_type:
+            subject += f" ({self.module_type})"
+        place = f"at step {self.step}, rank {self.rank}"
+        if self.micro_batch is not None:
+            place += f", micro-batch {self.micro_batch}"
+        return f"{what}{subject} {place}"
+
+    def detail(self) -> str:
+        if self.kind in WARN_KINDS:
+            return self.message
+        if self.numel is not None and self.bad_count is not None:
+            counts = []
+            if self.nan_count:
+                counts.append(f"{self.nan_count} NaN")
+            if self.inf_count:
+                counts.append(f"{self.inf_count} Inf")
+            text = f"{' and '.join(counts) or self.bad_count} of {self.numel}"
+            if self.first_index is not None:
+                text += f", first at {list(self.first_index)} ({self.first_value})"
+            if self.finite_min is not None:
+                text += (f"; finite values in [{_fmt(self.finite_min)}, {_fmt(self.finite_max)}]"
+                         f", mean {_fmt(self.finite_mean)}")
+            elif self.bad_count == self.numel:
+                text += "; no finite values"
+        else:
+            # without the tensor, only its sum is known: NaN there may also be +Inf meeting -Inf
+            text = "NaN (or Infs of both signs)" if self.has_nan else "Inf" if self.has_inf else "non-finite"
+            if self.shape is not None:
+                text += f" in a tensor of shape {list(self.shape)}"
+        return text + (f"; {self.message}" if self.message else "")
+
+    def __str__(self) -> str:
+        return f"{self.where()}: {self.detail()}"
+
+
+class EventLog:
+    """A thread-safe ring of the most recent events; memory stays bounded however many arrive."""
+
+    def __init__(self, capacity: int):
+        self._ring: deque[Event] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.total = 0
+        """events ever added, including those the ring has since forgotten"""
+
+    def add(self, event: Event) -> None:
+        with self._lock:
+            self._ring.append(event)
+            self.total += 1
+
+    def snapshot(self) -> list[Event]:
+        with self._lock:
+            return list(self._ring)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ring)

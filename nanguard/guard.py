@@ -1,0 +1,407 @@
+"""Guard: ties the detector to the optimizer step and takes the cross-rank decision.
+
+Once per optimizer step, in the optimizer's step pre-hook, the guard folds every probe of
+the step and the gradients' norm into one small device vector, all-reduces its flag part
+when ``torch.distributed`` is initialised (so every rank decides the same thing), and reads
+it to the host: the only device-to-host read of a clean step. Only when that read says
+something is non-finite does it look closer, exactly, and agree with the other ranks on
+the job's first event before it acts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import forensics
+from .config import Settings
+from .detector import Detector, gradients, grad_norms
+from .errors import GuardClosedError, NanguardError, NonFiniteError, StopRequested
+from .events import Event, EventLog
+
+log = logging.getLogger("nanguard")
+
+# The first event of the job: forward producers beat what they poisoned downstream.
+_KIND_ORDER = {"forward": 0, "check": 1, "loss": 1, "backward": 2, "grad": 3}
+
+_owners: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+_global_guard: Guard | None = None
+_registry_lock = threading.Lock()
+
+
+def _distributed():
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _rank() -> int:
+    dist = _distributed()
+    if dist is not None:
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _collective_device(dist) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Guard:
+    """The per-process detector for one model (or, from a bare ``init()``, every model)."""
+
+    def __init__(self, model: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer],
+                 settings: Settings, on_stop: Callable[[Exception], Any] | None = None):
+        self.settings = settings
+        self.incident: str | None = None
+        """the last captured incident directory, or None"""
+        self.last_grad_norm: float | None = None
+        """the total gradient norm read at the last step (rank-local)"""
+        self.last_param_grad_norms: dict[str, float] = {}
+        """per-parameter gradient norms of the last step, with ``param_grad_norms=True``"""
+        self.skipped_steps = 0
+        self._step = 0
+        self._events = EventLog(settings.max_events)
+        self._on_stop = on_stop
+        self._closed = False
+        self._scoped = model is not None
+        self._optimizer_seen = bool(optimizers)
+        self._handles: list[Any] = []
+        self._modules: list[weakref.ref] = []
+        self._early: Event | None = None
+        self._level: float | None = None
+        self._clean_steps = 0
+        self._stop_request: str | None = None
+        self._host = socket.gethostname()
+        self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
+                                  detail_bytes=int(settings.detail_mb * 2**20),
+                                  on_root_end=self._on_root_end)
+        if settings.disable:
+            return
+        if model is not None:
+            self._attach(model)
+        else:
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
+        if optimizers:
+            for optimizer in optimizers:
+                self._handles.append(optimizer.register_step_pre_hook(self._on_step))
+        else:
+            self._handles.append(torch.optim.optimizer.register_optimizer_step_pre_hook(self._on_step))
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def step(self) -> int:
+        """Optimizer steps seen (the 0-based index of the step in progress)."""
+        return self._step
+
+    @property
+    def events(self) -> list[Event]:
+        """The most recent events, oldest first (at most ``max_events``)."""
+        return self._events.snapshot()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check(self, tensor: torch.Tensor, name: str = "loss") -> None:
+        """Check a tensor computed outside any module (the loss) at the next decision; no sync."""
+        if self._closed:
+            raise GuardClosedError(f"guard.check({name!r}): this guard was closed; create a new one"
+                                   " with nanguard.init()")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"guard.check({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"guard.check: name must be a non-empty string, got {name!r}")
+        if not self.settings.disable:
+            self._detector.check(tensor, name)
+
+    def close(self) -> None:
+        """Remove every hook this guard installed. Idempotent."""
+        global _global_guard
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._detector.detach()
+        with _registry_lock:
+            for ref in self._modules:
+                module = ref()
+                if module is not None and _owners.get(module) is self:
+                    del _owners[module]
+            if _global_guard is self:
+                _global_guard = None
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("disabled" if self.settings.disable else "open")
+        return f"<nanguard.Guard {state} step={self._step} on_nan={self.settings.on_nan}>"
+
+    # ------------------------------------------------------------------ installing
+    def _attach(self, root: nn.Module, prefix: str = "") -> int:
+        with _registry_lock:
+            for module in root.modules():
+                owner = _owners.get(module)
+                if owner is not None and owner is not self and not owner.closed:
+                    raise NanguardError(
+                        f"nanguard.init: {type(module).__name__} is already guarded by {owner!r};"
+                        " call close() on that guard first (hooks are never installed twice)")
+            for module in root.modules():
+                _owners[module] = self
+                self._modules.append(weakref.ref(module))
+        return self._detector.attach(root, prefix)
+
+    def _discover(self, module: nn.Module, args: tuple) -> None:
+        """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""
+        if torch.compiler.is_compiling() or self._detector.owns(module):
+            return
+        if module in _owners:
+            return
+        self._attach(module)
+        # Hooks added during this call's pre-hooks only fire from the next call on.
+        self._detector.root_pre(self._detector.slot_of(module), args, {})
+
+    # ------------------------------------------------------------------ decisions
+    def _on_root_end(self) -> None:
+        if not self._optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
+            self._decide(None, collective=False)  # eval/inference: nothing steps, so decide now
+        elif self._detector.pending >= self.settings.max_pending:
+            self._settle_early()
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._closed:
+            return
+        self._optimizer_seen = True
+        try:
+            self._decide(optimizer, collective=True)
+        finally:
+            self._step += 1
+
+    def _settle_early(self) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally."""
+        summary = self._detector.summary()
+        if summary is not None and not math.isfinite(summary.item()) and self._early is None:
+            fields = self._detector.first_bad()
+            if fields is not None:
+                self._early = self._event(fields)
+        self._detector.reset()
+        if self._early is not None and not self._optimizer_seen:
+            self._act(self._take_early(), None)
+
+    def _take_early(self) -> Event:
+        event, self._early = self._early, None
+        return event
+
+    def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool) -> None:
+        settings = self.settings
+        dist = _distributed() if collective else None
+        summary = self._detector.summary()
+        owners, grads = gradients(_params(optimizer)) if optimizer is not None else ([], [])
+        norms, total = grad_norms(grads) if grads else ([], None)
+        parts = [t * 0 for t in (summary, total) if t is not None]
+        if not parts and dist is None and self._early is None and self._stop_request is None:
+            return  # nothing was checked: nothing to read
+        if parts:
+            flag = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        else:
+            device = _collective_device(dist) if dist is not None else torch.device("cpu")
+            flag = torch.zeros((), device=device)
+        if self._early is not None:
+            flag = flag + math.nan
+        head = [flag, torch.full((), 1.0 if self._stop_request else 0.0, device=flag.device)]
+        tail = ([total] if total is not None else []) + (norms if settings.param_grad_norms else [])
+        vector = torch.stack(head + [t.to(flag.device) for t in tail])
+        if dist is not None:
+            dist.all_reduce(vector[:2])
+        values = vector.tolist()  # the one device-to-host read of the step
+        if total is not None:
+            self.last_grad_norm = values[2]
+        if settings.param_grad_norms and norms:
+            self.last_param_grad_norms = {
+                self._param_name(p): v for p, v in zip(owners, values[3:], strict=True)}
+        if not math.isfinite(values[0]):
+            event = self._job_first_event(owners, grads, dist)
+            if event is not None:
+                self._detector.reset()
+                self._act(event, optimizer)
+                return
+        self._detector.reset()
+        if values[1] > 0:
+            self._stop(dist)
+        if total is not None and math.isfinite(values[2]):
+            self._watch_norm(values[2], owners, values[3:] if settings.param_grad_norms else None)
+
+    def _job_first_event(self, owners, grads, dist) -> Event | None:
+        local = self._take_early() if self._early is not None else self._local_first_event(owners, grads)
+        if dist is None:
+            return local
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local.to_dict() if local is not None else None)
+        candidates = [Event.from_dict(d) for d in gathered if d is not None]
+        if not candidates:
+            return None
+        first = min(candidates, key=lambda e: (_KIND_ORDER.get(e.kind, 9), e.rank))
+        if local is not None and first.rank != local.rank:
+            self._events.add(local)  # what this rank saw, kept beside the job's first event
+        return first
+
+    def _local_first_event(self, owners, grads) -> Event | None:
+        fields = self._detector.first_bad()
+        if fields is not None:
+            return self._event(fields)
+        bad = [(p, g) for p, g in zip(owners, grads) if not forensics.is_finite(g)]
+        if not bad:
+            return None  # a norm that overflowed on finite gradients
+        loss = self._detector.first_bad_backward()
+        if loss is not None:
+            return self._event(loss)
+        order = {slot: i for i, slot in enumerate(self._detector.backward_order())}
+        owner_of = self._detector.param_owner
+        bad.sort(key=lambda pg: order.get(owner_of.get(id(pg[0]), -1), len(order)))
+        param, grad = bad[0]
+        slot = owner_of.get(id(param))
+        names = [self._param_name(p) for p, _ in bad]
+        return self._event({
+            "kind": "grad", "layer": names[0],
+            "module_type": self._detector.slots[slot].module_type if slot is not None else "",
+            **forensics.describe(grad),
+            "message": (f"{len(bad)} of {len(grads)} parameter gradients are non-finite, this one"
+                        " first in backward order; the forward and the gradient sent into the model"
+                        " output were finite, so it was born in the backward pass"),
+            "extra": {"bad_params": names[:16]},
+        })
+
+    def _event(self, fields: dict[str, Any]) -> Event:
+        return Event(rank=_rank(), step=self._step, host=self._host, time=time.time(), **fields)
+
+    def _act(self, event: Event, optimizer: torch.optim.Optimizer | None) -> None:
+        policy = self.settings.on_nan
+        self._events.add(event)
+        world = _distributed().get_world_size() if _distributed() is not None else 1
+        action = {
+            "raise": "stopping all ranks before the optimizer step" if world > 1
+            else "stopping before the optimizer step",
+            "skip": "skipping this update" + (" on all ranks" if world > 1 else ""),
+            "warn": "continuing (on_nan=warn)",
+        }[policy]
+        if optimizer is None and policy != "warn":
+            action = "stopping" if policy == "raise" else "continuing (no optimizer step to skip)"
+        message = f"{event}; {action}"
+        if event.rank == _rank():
+            log.error("nanguard: %s", message)
+        if policy == "skip" and optimizer is not None:
+            for param in _params(optimizer):
+                param.grad = None  # the optimizer leaves parameters without gradients untouched
+            self.skipped_steps += 1
+        if policy == "raise":
+            error = NonFiniteError(message, event, self.incident)
+            if self._on_stop is not None:
+                self._on_stop(error)
+            raise error
+
+    def _stop(self, dist) -> None:
+        reason = self._stop_request or "remote"
+        self._stop_request = None
+        error = StopRequested(
+            f"stop requested ({reason}) at step {self._step}; stopping all ranks before the"
+            " optimizer step", step=self._step, reason=reason)
+        if self._on_stop is not None:
+            self._on_stop(error)
+        raise error
+
+    def _watch_norm(self, norm: float, owners, param_norms: list[float] | None) -> None:
+        settings = self.settings
+        top: dict[str, float] = {}
+        if param_norms:
+            ranked = sorted(zip(param_norms, owners), key=lambda x: -x[0])[:5]
+            top = {self._param_name(p): v for v, p in ranked}
+        warnings = []
+        if settings.grad_norm_warn is not None and norm > settings.grad_norm_warn:
+            warnings.append(("grad_norm", f"gradient norm {norm:.4g} is above grad_norm_warn"
+                                          f" {settings.grad_norm_warn:.4g}"))
+        armed = self._clean_steps >= settings.spike_warmup_steps and self._level
+        if armed and norm > settings.spike_factor * self._level:
+            warnings.append(("spike", f"gradient norm {norm:.4g} is {norm / self._level:.1f}x its"
+                                      f" running level {self._level:.4g}"))
+        else:
+            # running level: mean over warm-up, then an exponential average of ordinary steps
+            self._clean_steps += 1
+            weight = max(1 / self._clean_steps, 0.05)
+            self._level = norm if self._level is None else (1 - weight) * self._level + weight * norm
+        for kind, text in warnings:
+            event = self._event({"kind": kind, "layer": next(iter(top), ""), "grad_norm": norm,
+                                 "message": text, "extra": {"top_params": top} if top else {}})
+            self._events.add(event)
+            log.warning("nanguard: %s", event)
+
+    def _param_name(self, param: torch.Tensor) -> str:
+        return self._detector.param_names.get(id(param), f"param@{id(param):x}")
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def init(model: nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+         *, on_stop: Callable[[Exception], Any] | None = None, **overrides: Any) -> Guard:
+    """Guard ``model`` and ``optimizer``; with no model, every module and optimizer of the process.
+
+    Settings come from ``overrides``, else ``NANGUARD_*`` variables, else defaults (see
+    ``nanguard.config.Settings``). ``on_stop(error)`` is called on every rank at the common
+    stop step, before the error is raised, for a checkpoint in the team's own format.
+    """
+    global _global_guard
+    settings = Settings.resolve(overrides)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"nanguard.init: model must be a torch.nn.Module, or None to guard every"
+                        f" module this process runs; got {type(model).__name__}")
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    elif isinstance(optimizer, (list, tuple)) and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer) and optimizer:
+        optimizers = list(optimizer)
+    else:
+        raise TypeError(f"nanguard.init: optimizer must be a torch.optim.Optimizer (or a list of"
+                        f" them, or None); got {type(optimizer).__name__}")
+    if on_stop is not None and not callable(on_stop):
+        raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
+    if model is not None and next(model.parameters(), None) is None:
+        raise NanguardError(
+            f"nanguard.init: the model ({type(model).__name__}) has no parameters, so there is"
+            " nothing to protect; pass the module you train (or call nanguard.init() with no model)")
+    if settings.disable:
+        return Guard(None, [], settings, on_stop)
+    if model is None:
+        with _registry_lock:
+            if _global_guard is not None and not _global_guard.closed:
+                raise NanguardError("nanguard.init(): a process-wide guard is already open; call"
+                                    " close() on it first (hooks are never installed twice)")
+        guard = Guard(None, optimizers, settings, on_stop)
+        with _registry_lock:
+            _global_guard = guard
+        return guard
+    return Guard(model, optimizers, settings, on_stop)
