@@ -51,6 +51,7 @@ _MAX_CHECK_NAMES = 1024
 _MAX_BACKWARD_PROBES = 1024
 
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+_COMPILED = -1  # the "version" of a probe made inside a compiled graph
 
 
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
@@ -163,6 +164,7 @@ class Detector:
     def attach(self, root: nn.Module, prefix: str = "") -> int:
         """Hook ``root`` and every leaf below it; returns the root's slot."""
         names = plain_name(root)
+        skipped: list[str] = []
         for module, name in names.items():
             if module in self._modules:
                 continue
@@ -173,10 +175,17 @@ class Detector:
             for pname, param in module.named_parameters(recurse=False):
                 self.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
                 self.param_owner.setdefault(id(param), slot)
-            has_own_params = any(p is not None for p in module._parameters.values())
-            if next(module.children(), None) is None or has_own_params:
-                hook = self._make_hook(slot, self._mode(module, qualified))
-                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            mode = self._mode(module, qualified)
+            if any(qualified == s or qualified.startswith(s + ".") for s in skipped):
+                mode = SKIP_MODE
+            elif mode == SKIP_MODE:
+                skipped.append(qualified)
+            # Containers are hooked too, so a value born in their own forward code is blamed on
+            # them; an output that is a child's output again is recognised and not re-checked.
+            leaf = next(module.children(), None) is None or any(
+                p is not None for p in module._parameters.values())
+            hook = self._make_hook(slot, mode, leaf)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         root_slot = self._modules[root]
         self.slots[root_slot].root = True
         self._handles.append(root.register_forward_pre_hook(
@@ -225,14 +234,15 @@ class Detector:
         for tensor in tensors:
             self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
 
-    def _make_hook(self, slot: int, mode: int):
+    def _make_hook(self, slot: int, mode: int, leaf: bool):
         def hook(module, args, kwargs, output):
             if torch.compiler.is_compiling():
-                # Inside a compiled graph only tensor math and list appends: no graph break.
-                if mode == CHECK_MODE:
+                # Inside a compiled graph only tensor math and list appends (no graph break),
+                # and only leaves: without identity tracking a container would re-check.
+                if mode == CHECK_MODE and leaf:
                     for tensor in floating_tensors(output):
                         self._vals.append(probe(tensor))
-                        self._meta.append((OUT, slot, None, 0, None, None))
+                        self._meta.append((OUT, slot, None, _COMPILED, None, None))
                 return None
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
@@ -245,7 +255,8 @@ class Detector:
                 self._mark_seen(outputs)
             else:
                 for tensor in outputs:
-                    self._add(tensor, OUT, slot)
+                    if not self._is_seen(tensor):
+                        self._add(tensor, OUT, slot)
             return None
 
         return hook
@@ -400,10 +411,17 @@ class Detector:
         fields |= {"layer": info.name, "module_type": info.module_type}
         later_out = [i for i in range(index + 1, len(values)) if self._meta[i][0] == OUT]
         bad_out = next((i for i in later_out if not math.isfinite(values[i])), None)
+        if role == OUT and self._meta[index][3] == _COMPILED:
+            return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True,
+                             "message": _join(
+                                 "first non-finite module output seen in a compiled graph, where"
+                                 " inputs and containers are not checked: it may have been born just"
+                                 " before this module", fields.get("message"))}
         if role == OUT:
             note = "inputs were finite: the value was born in this module"
             module = info.module()
-            bad_params = [n for n, p in (module.named_parameters(recurse=False) if module else [])
+            # all of its parameters: nn.MultiheadAttention uses out_proj's weight without calling it
+            bad_params = [n for n, p in (module.named_parameters() if module else [])
                           if not forensics.is_finite(p)]
             if bad_params:
                 note = f"inputs were finite but its parameter(s) {', '.join(bad_params)} are not"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import forensics
 from .config import Settings
@@ -101,7 +102,7 @@ class Guard:
             for optimizer in optimizers:
                 self._handles.append(optimizer.register_step_pre_hook(self._on_step))
         else:
-            self._handles.append(torch.optim.optimizer.register_optimizer_step_pre_hook(self._on_step))
+            self._handles.append(register_optimizer_step_pre_hook(self._on_step))
 
     # ------------------------------------------------------------------ public surface
     @property

@@ -1,0 +1,185 @@
+"""Launch real ``torchrun`` jobs (gloo on CPU) for the integration tests.
+
+Every job runs in its own session (process group), with its output in a file, under a
+deadline; on timeout or test teardown the whole group is killed, so no worker survives a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+DEFAULT_TIMEOUT = 150  # seconds for one job; tests carry a larger pytest timeout
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        NANGUARD_DIR=str(tmp_path / "incidents"),
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Job:
+    returncodes: list[int]
+    output: str
+    """stdout and stderr of every launched agent, combined"""
+    out_dir: Path
+
+    def results(self) -> dict[int, dict]:
+        """The per-rank JSON files the workers wrote, by rank."""
+        found = {}
+        for path in sorted(self.out_dir.glob("rank*.json")):
+            data = json.loads(path.read_text())
+            found[data["rank"]] = data
+        return found
+
+    def ok(self, world: int) -> dict[int, dict]:
+        """Assert a clean exit and one result per rank; return the results."""
+        tail = self.output[-6000:]
+        assert self.returncodes == [0] * len(self.returncodes), f"exit codes {self.returncodes}:\n{tail}"
+        results = self.results()
+        assert sorted(results) == list(range(world)), f"results for ranks {sorted(results)}:\n{tail}"
+        for rank, data in results.items():
+            assert data["exception"] is None, f"rank {rank} failed:\n{data['exception']}"
+        return results
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Launcher:
+    """Starts torchrun agents in fresh sessions and guarantees that they are all gone after."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self._procs: list[subprocess.Popen] = []
+        self._count = 0
+
+    def _start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=self.tmp_path, start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def _kill(self, proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # pgid == pid: start_new_session made it a group leader
+        except ProcessLookupError:
+            pass
+
+    def _finish(self, procs: list[subprocess.Popen], timeout: float) -> bool:
+        """Wait for every proc under one deadline; kill every group. True if all ended in time."""
+        deadline = time.monotonic() + timeout
+        in_time = True
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                in_time = False
+                break
+        for proc in procs:
+            self._reap(proc, graceful=not in_time)
+        return in_time
+
+    def _reap(self, proc: subprocess.Popen, graceful: bool) -> None:
+        if graceful and proc.poll() is None:
+            self._kill(proc, signal.SIGTERM)  # lets torchrun take its workers down
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(proc, signal.SIGKILL)  # stragglers of the group, if any
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _job(self, commands: list[tuple[list[str], dict[str, str]]], out_dir: Path,
+             timeout: float) -> Job:
+        self._count += 1
+        logs = [self.tmp_path / f"job{self._count}-agent{i}.log" for i in range(len(commands))]
+        procs = [self._start(argv, env, log) for (argv, env), log in zip(commands, logs)]
+        in_time = self._finish(procs, timeout)
+        output = "".join(log.read_text(errors="replace") for log in logs)
+        if not in_time:
+            pytest.fail(f"torchrun job did not finish within {timeout}s (killed):\n{output[-6000:]}")
+        return Job([p.returncode for p in procs], output, out_dir)
+
+    def standalone(self, script: str | Path, *args: str, nproc: int = 2,
+                   timeout: float = DEFAULT_TIMEOUT, out_dir: Path | None = None) -> Job:
+        """``torchrun --standalone --nproc-per-node N script out_dir args...`` (it picks its port).
+
+        ``script`` is a file of tests/integration/workers/; it gets ``out_dir`` (a fresh folder
+        under tmp_path unless given) as its first argument and writes rank{RANK}.json there.
+        """
+        out_dir = out_dir or self.tmp_path / f"out{self._count + 1}"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), "--max-restarts", "0",
+                str(WORKERS / script), str(out_dir), *args]
+        return self._job([(argv, base_env(self.tmp_path))], out_dir, timeout)
+
+    def example(self, path: str | Path, nproc: int = 2, timeout: float = DEFAULT_TIMEOUT) -> Job:
+        """Run a script of the repository (no out_dir argument) under torchrun --standalone."""
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), "--max-restarts", "0", str(REPO / path)]
+        return self._job([(argv, base_env(self.tmp_path))], self.tmp_path, timeout)
+
+    def multi_node(self, script: str, *args: str, nnodes: int = 2,
+                   timeout: float = DEFAULT_TIMEOUT) -> Job:
+        """``nnodes`` torchrun agents (one process each) meeting through c10d rendezvous on
+        localhost, as on ``nnodes`` machines; agent i runs with ``NG_TEST_NODE=i``."""
+        out_dir = self.tmp_path / f"out{self._count + 1}"
+        endpoint = f"127.0.0.1:{free_port()}"
+        commands = []
+        for node in range(nnodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                    "--nproc-per-node", "1", "--node-rank", str(node), "--max-restarts", "0",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                    "--rdzv-id", f"nanguard-test-{os.getpid()}-{self._count}",
+                    str(WORKERS / script), str(out_dir), *args]
+            commands.append((argv, base_env(self.tmp_path, NG_TEST_NODE=str(node))))
+        return self._job(commands, out_dir, timeout)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            self._reap(proc, graceful=True)
+
+
+@pytest.fixture
+def torchrun(tmp_path):
+    launcher = Launcher(tmp_path)
+    try:
+        yield launcher
+    finally:
+        launcher.close()

@@ -1,0 +1,175 @@
+"""Real torchrun jobs (gloo on CPU): every rank stops at the same step, before the update.
+
+Each test launches one job of the workers in tests/integration/workers/ and asserts on the
+JSON each rank wrote. Run with: python -m pytest -q tests/integration
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from common import FAULT_LAYER, FIRST_LAYER  # noqa: E402  (no torch import at collection)
+
+pytestmark = pytest.mark.slow
+
+
+def assert_common_stop(results: dict[int, dict], step: int, *, same_weights_across_ranks=True):
+    """Every rank raised NonFiniteError at ``step`` with one identical event, and neither the
+    weights nor the optimizer state moved in that step. Returns the (common) event."""
+    errors = {rank: r["error"] for rank, r in results.items()}
+    for rank, error in errors.items():
+        assert error is not None, f"rank {rank} did not raise (ran {results[rank]['steps_done']} steps)"
+        assert error["type"] == "NonFiniteError" and error["is_runtime_error"]
+        assert error["loop_step"] == step, f"rank {rank} raised in loop step {error['loop_step']}"
+        assert error["event"]["step"] == step
+        assert results[rank]["steps_done"] == step
+        # nothing of the bad step reached the weights or the optimizer state
+        assert error["weights_after"] == error["weights_before"], f"rank {rank}: weights changed"
+        assert error["optim_after"] == error["optim_before"], f"rank {rank}: optimizer state changed"
+        assert error["weights_after"] == results[rank]["step_digests"][step]
+    # the same step and the same event (all its fields) on every rank
+    assert len({e["guard_step"] for e in errors.values()}) == 1, errors
+    # guard.step counts the refused call too (the demo prints guard.step - 1 as the stop step)
+    assert errors[0]["guard_step"] == step + 1
+    events = [e["event"] for e in errors.values()]
+    assert all(e == events[0] for e in events), events
+    if same_weights_across_ranks:
+        assert len({e["weights_after"] for e in errors.values()}) == 1, "ranks' weights differ"
+        assert len({e["optim_after"] for e in errors.values()}) == 1, "ranks' optimizer state differ"
+    return events[0]
+
+
+@pytest.mark.timeout(180)
+def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun):
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert event["kind"] == "forward"
+    assert event["rank"] == 1
+    assert event["layer"] == FAULT_LAYER  # no DDP "module." prefix
+    assert event["module_type"] == "Fault"
+    assert event["input_nonfinite"] is False
+    assert event["output_nonfinite"] is True
+    assert event["has_nan"] is True
+    # only the producing rank logs the report
+    assert job.output.count(f"nanguard: non-finite output in {FAULT_LAYER}") == 1
+
+
+@pytest.mark.timeout(180)
+def test_ddp_nan_in_the_input_batch_is_reported_as_an_input(torchrun):
+    job = torchrun.standalone("ddp_train.py", "--fault", "input", "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert event["kind"] == "forward"
+    assert event["rank"] == 1
+    assert event["input_nonfinite"] is True
+    assert event["layer"] == FIRST_LAYER  # the first module the bad batch reached
+
+
+@pytest.mark.timeout(180)
+def test_ddp_nan_born_in_backward_on_one_rank(torchrun):
+    job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert event["kind"] == "grad"
+    # The NaN gradient is upstream of the fault module: the parameters before it.
+    assert event["layer"].startswith(("embed.", "blocks.0.", "blocks.1.fc.")), event["layer"]
+    # DESIGN, Contract: err.event is the job's first event "whichever rank saw it ... a forward
+    # producer wins over the gradients it poisoned, and over what DDP's all-reduce spread to
+    # other ranks". Rank 0's NaN gradients are only what the all-reduce spread from rank 1.
+    assert event["rank"] == 1, (
+        f"job's first event names rank {event['rank']}; the NaN was born on rank 1 and DDP's"
+        " all-reduce only spread it to rank 0")
+
+
+@pytest.mark.timeout(180)
+def test_ddp_skip_policy_drops_the_bad_update_and_goes_on(torchrun):
+    steps, bad = 10, 5
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", str(bad), "--steps", str(steps), "--on-nan", "skip")
+    results = job.ok(world=2)
+    for rank, r in results.items():
+        assert r["error"] is None, f"rank {rank} raised under on_nan=skip: {r['error']}"
+        assert r["steps_done"] == steps
+        assert r["guard_step"] == steps
+        assert r["skipped_steps"] == 1
+        assert r["final_finite"]
+        digests = r["step_digests"]
+        assert digests[bad + 1] == digests[bad], f"rank {rank}: the bad update at step {bad} was applied"
+        assert digests[bad] != digests[bad - 1] and digests[bad + 2] != digests[bad + 1], (
+            "training did not move the weights around the skipped step")
+        assert len(set(digests)) == steps - 1  # every other step did update
+        stops = [e for e in r["events"] if e["kind"] in ("forward", "grad")]
+        assert stops and all(e["step"] == bad for e in stops)
+    assert results[0]["step_digests"] == results[1]["step_digests"], "ranks diverged"
+    assert results[0]["final_weights"] == results[1]["final_weights"]
+
+
+@pytest.mark.timeout(180)
+def test_ddp_gradient_accumulation_names_the_micro_batch(torchrun):
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "0",
+                              "--fault-step", "3", "--fault-micro", "2", "--accum", "4",
+                              "--steps", "5")
+    event = assert_common_stop(job.ok(world=2), step=3)
+    assert event["kind"] == "forward"
+    assert event["rank"] == 0
+    assert event["layer"] == FAULT_LAYER
+    assert event["micro_batch"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_three_ranks_clean_run_never_stops(torchrun):
+    job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
+    results = job.ok(world=3)
+    for rank, r in results.items():
+        assert r["error"] is None, f"rank {rank} raised on a clean run: {r['error']}"
+        assert r["steps_done"] == 30
+        assert r["guard_step"] == 30
+        assert r["skipped_steps"] == 0
+        assert r["final_finite"]
+        assert not [e for e in r["events"] if e["kind"] in ("forward", "loss", "check", "backward", "grad")]
+    assert len({r["final_weights"] for r in results.values()}) == 1
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_c10d_rendezvous_stop_together(torchrun):
+    job = torchrun.multi_node("ddp_train.py", "--fault", "forward", "--fault-node", "1",
+                              "--fault-step", "4", "--steps", "6")
+    results = job.ok(world=2)
+    # c10d rendezvous ignores --node-rank: find the rank that node 1's agent got
+    (faulty_rank,) = [rank for rank, r in results.items() if r["faulty"]]
+    assert results[faulty_rank]["node"] == "1"
+    event = assert_common_stop(results, step=4)
+    assert event["kind"] == "forward"
+    assert event["rank"] == faulty_rank
+    assert event["layer"] == FAULT_LAYER
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_forward_nan_stops_every_rank_before_the_update(torchrun):
+    job = torchrun.standalone("fsdp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", "4", "--steps", "6")
+    # each rank holds a different shard: compare each rank's before/after, not across ranks
+    event = assert_common_stop(job.ok(world=2), step=4, same_weights_across_ranks=False)
+    assert event["kind"] == "forward"
+    assert event["rank"] == 1
+    assert event["layer"] == FAULT_LAYER
+
+
+@pytest.mark.timeout(180)
+def test_make_demo_main_job(torchrun):
+    """`make demo`: examples/ddp_nan.py under torchrun with 2 processes."""
+    job = torchrun.example("examples/ddp_nan.py", nproc=2)
+    assert job.returncodes == [0], job.output[-6000:]
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] stopped at step 25: ", job.output, re.M), job.output
+        assert f"[rank {rank}] first event came from rank 1; weights untouched by the bad step: True" \
+            in job.output
+    report = "non-finite output in blocks.1.gate (Linear) at step 25, rank 1"
+    report_lines = [line for line in job.output.splitlines() if line.startswith(f"nanguard: {report}")]
+    assert len(report_lines) == 1, job.output

@@ -1,0 +1,230 @@
+"""Shared code of the integration workers: the model, the faults, the training loop, JSON out.
+
+Each worker script is a thin ``main()`` over ``run()``; everything a test asserts on is
+written by ``run()`` to ``OUT_DIR/rank{RANK}.json`` (atomically), one file per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import socket
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import nanguard
+
+WIDTH = 16
+FAULTS = ("none", "forward", "input", "backward")
+
+
+# --------------------------------------------------------------------------- faults
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward; the backward returns NaN: a value born in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Fault(nn.Module):
+    """A parameter-free leaf module that misbehaves only while ``mode`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode: str | None = None
+
+    def forward(self, x):
+        if self.mode == "forward":
+            return torch.log(-1.0 - x.abs())  # log of a negative number: NaN
+        if self.mode == "backward":
+            return _NaNGrad.apply(x)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.Tanh()
+        self.fault = Fault()
+
+    def forward(self, x):
+        return self.fault(self.act(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.Sequential(Block(width), Block(width))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+#: the qualified name (no DDP/FSDP prefix) of the module the forward/backward faults live in
+FAULT_LAYER = "blocks.1.fault"
+#: the first module a bad input batch reaches
+FIRST_LAYER = "embed"
+
+
+# --------------------------------------------------------------------------- digests
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # DTensor (FSDP2): this rank's shard
+    if type(tensor) is not torch.Tensor and to_local is not None:
+        tensor = to_local()
+    return tensor.detach().cpu().contiguous()
+
+
+def _feed(h, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        local = _local(obj)
+        h.update(f"T{local.dtype}{tuple(local.shape)}".encode())
+        h.update(local.numpy().tobytes())
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=repr):
+            h.update(repr(key).encode())
+            _feed(h, obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _feed(h, item)
+    else:
+        h.update(repr(obj).encode())
+
+
+def digest(obj: Any) -> str:
+    """Bit-exact fingerprint of a (nested) state: equal digests mean bit-identical tensors."""
+    h = hashlib.sha256()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+def weights_digest(model: nn.Module) -> str:
+    return digest(model.state_dict())
+
+
+def optim_digest(optimizer: torch.optim.Optimizer) -> str:
+    return digest(optimizer.state_dict())
+
+
+def all_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- output
+def write_json(out_dir: str, rank: int, data: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- training
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-node", type=int, default=None,
+                   help="fault on the process whose NG_TEST_NODE equals this (not by rank)")
+    p.add_argument("--fault-step", type=int, default=5)
+    p.add_argument("--fault-micro", type=int, default=0)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--on-nan", default="raise")
+    return p
+
+
+def _is_faulty_process(args, rank: int) -> bool:
+    if args.fault_node is not None:
+        return os.environ.get("NG_TEST_NODE") == str(args.fault_node)
+    return rank == args.fault_rank
+
+
+def run(args: argparse.Namespace, wrap) -> int:
+    """Train ``wrap(Net())`` with AdamW under ``nanguard.init(model, optimizer)``.
+
+    ``wrap(net)`` returns ``(model, no_sync)``: the wrapped model and a context-manager
+    factory used for every micro-batch but the last (``nullcontext`` when not applicable).
+    """
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = Net()
+    model, no_sync = wrap(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = nanguard.init(model, optimizer, on_nan=args.on_nan)
+    generator = torch.Generator().manual_seed(100 + rank)
+    faulty = _is_faulty_process(args, rank)
+    fault_module = net.blocks[1].fault
+    result: dict[str, Any] = {
+        "rank": rank, "world": world, "host": socket.gethostname(),
+        "node": os.environ.get("NG_TEST_NODE"), "faulty": faulty,
+        "step_digests": [], "steps_done": 0, "error": None, "exception": None,
+    }
+    before: dict[str, str] = {}
+    step = -1
+    try:
+        for step in range(args.steps):
+            result["step_digests"].append(weights_digest(model))
+            for micro in range(args.accum):
+                x = torch.randn(8, 8, generator=generator)
+                y = torch.randint(0, 4, (8,), generator=generator)
+                hit = (faulty and step == args.fault_step and micro == args.fault_micro)
+                if hit and args.fault == "input":
+                    x[0, 0] = float("nan")
+                fault_module.mode = args.fault if hit and args.fault != "input" else None
+                last = micro == args.accum - 1
+                with contextlib.nullcontext() if last else no_sync():
+                    loss = nn.functional.cross_entropy(model(x), y) / args.accum
+                    loss.backward()
+                fault_module.mode = None
+            # snapshot right before the step: an error must leave exactly this state behind
+            before = {"weights": weights_digest(model), "optim": optim_digest(optimizer)}
+            optimizer.step()
+            optimizer.zero_grad()
+            result["steps_done"] += 1
+    except nanguard.NonFiniteError as err:
+        result["error"] = {
+            "type": type(err).__name__,
+            "is_runtime_error": isinstance(err, RuntimeError),
+            "loop_step": step,
+            "guard_step": guard.step,
+            "event": err.event.to_dict(),
+            "message": str(err),
+            "weights_before": before["weights"],
+            "weights_after": weights_digest(model),
+            "optim_before": before["optim"],
+            "optim_after": optim_digest(optimizer),
+        }
+    except BaseException:
+        result["exception"] = traceback.format_exc()
+        write_json(args.out_dir, rank, result)
+        raise
+    finally:
+        fault_module.mode = None
+    result["guard_step"] = guard.step
+    result["skipped_steps"] = guard.skipped_steps
+    result["final_weights"] = weights_digest(model)
+    result["final_finite"] = all_finite(model)
+    result["events"] = [e.to_dict() for e in guard.events]
+    guard.close()
+    write_json(args.out_dir, rank, result)
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,62 @@
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+
+
+class Fault(nn.Module):
+    """Passes its input on; when ``armed``, writes a NaN (or ``value``) into its output."""
+
+    def __init__(self, width: int = 16, value: float = float("nan"), index=(0, 3)):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.armed = False
+        self.value = value
+        self.index = index
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.armed:
+            y = y.clone()
+            y[self.index] = self.value
+        return y
+
+
+def make_mlp(width: int = 16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), Fault(width), nn.ReLU(), nn.Linear(width, 4))
+
+
+@pytest.fixture
+def mlp():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = nanguard.init(model, optimizer)
+    yield model, optimizer, guard
+    guard.close()
+
+
+def train_step(model, optimizer, guard=None, x=None, y=None):
+    x = torch.randn(5, 8) if x is None else x
+    y = torch.randint(0, 4, (5,)) if y is None else y
+    loss = nn.functional.cross_entropy(model(x), y)
+    if guard is not None:
+        guard.check(loss)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def snapshot(model, optimizer):
+    import copy
+
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same_state(model, optimizer, saved):
+    weights, opt_state = saved
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), f"{name} changed"
+    assert repr(optimizer.state_dict()) == repr(opt_state)

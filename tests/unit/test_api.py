@@ -1,0 +1,190 @@
+"""The public surface, bad use, installing and removing hooks, the one-read-per-step budget."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from conftest import make_mlp, train_step
+
+
+def test_public_names_are_locked():
+    assert nanguard.__all__ == sorted(nanguard.__all__)
+    assert nanguard.__all__ == [
+        "ConfigError", "Event", "Guard", "GuardClosedError", "NanguardError", "NonFiniteError",
+        "ProtocolError", "StopRequested", "init",
+    ]
+    assert issubclass(nanguard.NonFiniteError, RuntimeError)
+    assert issubclass(nanguard.StopRequested, RuntimeError)
+
+
+@pytest.mark.parametrize("args, kwargs, error, fragment", [
+    (("model",), {}, TypeError, "torch.nn.Module"),
+    ((nn.Linear(2, 2), "sgd"), {}, TypeError, "optimizer"),
+    ((nn.Linear(2, 2),), {"on_stop": 3}, TypeError, "on_stop"),
+    ((nn.ReLU(),), {}, nanguard.NanguardError, "no parameters"),
+    ((nn.Linear(2, 2),), {"on_nan": "panic"}, nanguard.ConfigError, "on_nan"),
+    ((nn.Linear(2, 2),), {"bogus": 1}, nanguard.ConfigError, "unknown nanguard setting"),
+])
+def test_bad_arguments_get_clear_errors(args, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        nanguard.init(*args, **kwargs)
+
+
+def hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_init_twice_is_an_error_and_never_doubles_hooks():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanguard.init(model, optimizer)
+    hooks = hook_count(model)
+    with pytest.raises(nanguard.NanguardError, match="already guarded"):
+        nanguard.init(model, optimizer)
+    with pytest.raises(nanguard.NanguardError, match="already guarded"):
+        nanguard.init(model[2])  # a part of a guarded model
+    assert hook_count(model) == hooks
+    guard.close()
+    again = nanguard.init(model, optimizer)
+    assert hook_count(model) == hooks
+    again.close()
+
+
+def test_close_removes_every_hook_and_check_after_close_fails():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert hook_count(model) == 0 and not optimizer._optimizer_step_pre_hooks
+    with nanguard.init(model, optimizer) as guard:
+        assert hook_count(model) > 0 and optimizer._optimizer_step_pre_hooks
+    assert hook_count(model) == 0 and not optimizer._optimizer_step_pre_hooks
+    guard.close()  # idempotent
+    with pytest.raises(nanguard.GuardClosedError, match="closed"):
+        guard.check(torch.ones(1))
+    model[2].armed = True
+    train_step(model, optimizer)  # nothing left to raise
+    assert "closed" in repr(guard)
+
+
+def test_check_rejects_non_tensors(mlp):
+    _, _, guard = mlp
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        guard.check(1.0)
+    with pytest.raises(TypeError, match="name"):
+        guard.check(torch.ones(1), name="")
+
+
+def test_disable_installs_nothing(monkeypatch):
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanguard.init(model, optimizer)
+    assert hook_count(model) == 0 and not optimizer._optimizer_step_pre_hooks
+    model[2].armed = True
+    train_step(model, optimizer, guard)
+    guard.close()
+
+
+def test_bare_init_guards_every_model_and_optimizer_created_later():
+    guard = nanguard.init()
+    try:
+        model = make_mlp()
+        optimizer = torch.optim.Adam(model.parameters())
+        train_step(model, optimizer, guard)
+        train_step(model, optimizer, guard)
+        assert guard.step == 2
+        with pytest.raises(nanguard.NanguardError, match="process-wide"):
+            nanguard.init()
+        model[2].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+        assert (info.value.event.layer, info.value.event.step) == ("2", 2)
+    finally:
+        guard.close()
+    assert not nn.modules.module._global_forward_pre_hooks
+    model[2].armed = True
+    train_step(model, optimizer)
+    with nanguard.init() as again:
+        assert not again.closed
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every way a tensor's value can reach Python. On the CPU there is no device to
+    sync with, so this stands in for torch.cuda.set_sync_debug_mode (a mock at the GPU edge)."""
+    counter = {"n": 0}
+    package = os.path.dirname(nanguard.__file__) + os.sep
+
+    def from_nanguard() -> bool:  # optimizers read their own step counters: not ours to count
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(package):
+                return True
+            frame = frame.f_back
+        return False
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, __original=original, **k):
+            counter["n"] += from_nanguard()
+            return __original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counter
+
+
+@pytest.mark.parametrize("settings", [{}, {"param_grad_norms": True}])
+def test_exactly_one_host_read_per_clean_step(host_reads, settings):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    xs = [torch.randn(5, 8) for _ in range(10)]
+    ys = [torch.randint(0, 4, (5,)) for _ in range(10)]
+    with nanguard.init(model, optimizer, **settings) as guard:
+        host_reads["n"] = 0
+        for x, y in zip(xs, ys):
+            for micro in range(2):  # gradient accumulation: still one read per optimizer step
+                loss = nn.functional.cross_entropy(model(x), y)
+                guard.check(loss)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert host_reads["n"] == 10
+
+
+def test_a_bad_step_reads_more_only_once_it_is_bad(host_reads):
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        host_reads["n"] = 0
+        model[2].armed = True
+        with pytest.raises(nanguard.NonFiniteError):
+            train_step(model, optimizer, guard)
+        assert host_reads["n"] > 1
+
+
+def test_compiled_model_keeps_one_graph_and_still_stops():
+    torch._dynamo.reset()
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        explained = torch._dynamo.explain(model)(torch.randn(5, 8))
+        assert explained.graph_break_count == 0
+        compiled = torch.compile(model, backend="aot_eager")
+        train_step(compiled, optimizer, guard)
+        model[2].armed = True
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(compiled, optimizer, guard)
+    # inside a compiled graph only leaf outputs are checked: the Fault container's own NaN is
+    # first seen in the next leaf that computes on it
+    event = info.value.event
+    assert (event.layer, event.input_nonfinite, event.has_nan) == ("4", None, True)
+    assert "compiled graph" in event.message

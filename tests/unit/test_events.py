@@ -1,0 +1,62 @@
+import json
+import math
+import threading
+
+import pytest
+
+from nanguard import Event, ProtocolError
+from nanguard.events import EventLog
+
+
+def make_event(**kw):
+    base = dict(kind="forward", rank=5, step=812, layer="encoder.layers.3.norm", module_type="LayerNorm",
+                micro_batch=2, has_nan=True, shape=(4, 16, 4096), numel=262144, bad_count=17, nan_count=17,
+                inf_count=0, first_index=(0, 12, 45), first_value=math.nan, finite_min=-3.0,
+                finite_max=4.0, finite_mean=0.01, input_nonfinite=False, output_nonfinite=True)
+    base.update(kw)
+    return Event(**base)
+
+
+def test_str_is_one_line_and_says_where():
+    text = str(make_event())
+    assert "\n" not in text
+    assert text.startswith("non-finite output in encoder.layers.3.norm (LayerNorm) at step 812, rank 5,"
+                           " micro-batch 2: 17 NaN of 262144, first at [0, 12, 45]")
+
+
+def test_json_round_trip_keeps_non_finite_values():
+    event = make_event(first_value=-math.inf, grad_norm=math.nan)
+    text = json.dumps(event.to_dict(), allow_nan=False)
+    back = Event.from_dict(json.loads(text))
+    assert back.first_index == (0, 12, 45) and back.shape == (4, 16, 4096)
+    assert back.first_value == -math.inf and math.isnan(back.grad_norm)
+    assert back.to_dict() == event.to_dict()
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ([], "JSON object"),
+    ({"kind": "forward", "rank": 0, "step": 0}, "layer"),
+    ({"kind": "boom", "rank": 0, "step": 0, "layer": ""}, "kind"),
+    ({"kind": "grad", "rank": "0", "step": 0, "layer": ""}, "rank"),
+    ({"kind": "grad", "rank": 0, "step": 0, "layer": "", "shape": [1, "x"]}, "shape"),
+    ({"kind": "grad", "rank": 0, "step": 0, "layer": "", "first_value": "big"}, "first_value"),
+    ({"kind": "grad", "rank": 0, "step": 0, "layer": "", "evil": 1}, "unknown"),
+])
+def test_from_dict_rejects_bad_input(data, fragment):
+    with pytest.raises(ProtocolError, match=fragment):
+        Event.from_dict(data)
+
+
+def test_ring_is_bounded_and_thread_safe():
+    log = EventLog(10)
+
+    def add_many():
+        for i in range(1000):
+            log.add(make_event(step=i))
+
+    threads = [threading.Thread(target=add_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(log) == 10 and log.total == 4000

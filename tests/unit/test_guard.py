@@ -1,0 +1,446 @@
+"""End-to-end behaviour of one guard in one process."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from conftest import Fault, assert_same_state, make_mlp, snapshot, train_step
+
+
+def run_until_error(model, optimizer, guard, steps=10, arm_at=3, arm=None, **kw):
+    for step in range(steps):
+        if step == arm_at:
+            arm()
+        saved = snapshot(model, optimizer)
+        try:
+            train_step(model, optimizer, guard, **kw)
+        except nanguard.NonFiniteError as err:
+            return step, err, saved
+    raise AssertionError("no NonFiniteError was raised")
+
+
+def test_names_the_producer_not_the_propagators(mlp):
+    model, optimizer, guard = mlp
+    step, err, saved = run_until_error(model, optimizer, guard, arm=lambda: setattr(model[2], "armed", True))
+    event = err.event
+    assert (step, event.step, guard.step) == (3, 3, 4)
+    assert (event.kind, event.layer, event.module_type) == ("forward", "2", "Fault")
+    assert event.input_nonfinite is False and event.output_nonfinite is True
+    assert event.micro_batch == 0 and event.rank == 0
+    assert (event.nan_count, event.inf_count, event.numel) == (1, 0, 5 * 16)
+    assert event.first_index == (0, 3) and math.isnan(event.first_value)
+    assert isinstance(err, RuntimeError)
+    assert str(err).startswith("non-finite output in 2 (Fault) at step 3, rank 0, micro-batch 0: 1 NaN of 80")
+    assert_same_state(model, optimizer, saved)
+    assert guard.events[-1] == event
+
+
+def test_bad_input_batch_is_told_apart(mlp):
+    model, optimizer, guard = mlp
+    x = torch.randn(5, 8)
+    x[2, 1] = math.nan
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        train_step(model, optimizer, guard, x=x)
+    event = info.value.event
+    assert event.kind == "forward" and event.input_nonfinite is True and event.layer == "0"
+    assert "input batch" in event.message and event.first_index == (2, 1)
+
+
+class Between(nn.Module):
+    """Its own forward code (not a submodule) makes the NaN: a log of a negative number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.armed = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.armed:
+            h = torch.log(h - 1e3)
+        return self.b(h)
+
+
+def test_value_born_between_modules_blames_the_parent_code():
+    model = nn.Sequential(nn.Linear(8, 8), Between())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        train_step(model, optimizer, guard)
+        model[1].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    event = info.value.event
+    assert (event.layer, event.input_nonfinite, event.output_nonfinite) == ("1.b", True, True)
+    assert "forward code of 1" in event.message
+
+
+def test_nan_only_in_the_loss_with_check(mlp):
+    model, optimizer, guard = mlp
+    loss = model(torch.randn(5, 8)).sum() * math.inf * 0
+    guard.check(loss)
+    loss.backward()
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        optimizer.step()
+    assert (info.value.event.kind, info.value.event.layer) == ("loss", "loss")
+
+
+def test_nan_only_in_the_loss_without_check(mlp):
+    model, optimizer, guard = mlp
+    out = model(torch.randn(5, 8))
+    loss = torch.sqrt(out - 1e3).mean()  # sqrt of negative numbers: NaN born in the loss
+    loss.backward()
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        optimizer.step()
+    event = info.value.event
+    assert event.kind == "loss" and "gradient sent into the output" in event.message
+
+
+class NanBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+class GradFault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return NanBackward.apply(x) if self.armed else x
+
+
+def test_nan_born_in_backward_names_first_parameter_in_backward_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GradFault(), nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    with nanguard.init(model, optimizer) as guard:
+        train_step(model, optimizer, guard)
+        saved = snapshot(model, optimizer)
+        model[1].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("grad", "0.weight", 1)
+    assert event.nan_count == 64 and event.extra["bad_params"] == ["0.weight", "0.bias"]
+    assert_same_state(model, optimizer, saved)
+
+
+def test_gradient_accumulation_names_the_micro_batch(mlp):
+    model, optimizer, guard = mlp
+    for step in range(3):
+        for micro in range(4):
+            model[2].armed = step == 2 and micro == 3
+            loss = nn.functional.cross_entropy(model(torch.randn(5, 8)), torch.randint(0, 4, (5,)))
+            (loss / 4).backward()
+        model[2].armed = False
+        if step < 2:
+            optimizer.step()
+            optimizer.zero_grad()
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        optimizer.step()
+    assert (info.value.event.step, info.value.event.micro_batch, info.value.event.layer) == (2, 3, "2")
+
+
+def test_skip_drops_the_update_and_goes_on():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with nanguard.init(model, optimizer, on_nan="skip") as guard:
+        for step in range(6):
+            model[2].armed = step == 3
+            saved = snapshot(model, optimizer)
+            train_step(model, optimizer, guard)
+            if step == 3:
+                assert_same_state(model, optimizer, saved)
+        assert guard.skipped_steps == 1 and guard.step == 6
+        assert [e.step for e in guard.events] == [3]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_warn_reports_and_lets_the_update_happen(caplog):
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        model[2].armed = True
+        train_step(model, optimizer, guard)
+        assert guard.events[-1].layer == "2"
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert "non-finite output in 2 (Fault)" in caplog.text
+
+
+class Mask(nn.Module):
+    def forward(self, x):
+        return x.masked_fill(torch.ones_like(x, dtype=torch.bool).triu(1), -math.inf)
+
+
+def test_skip_types_and_modules_for_intentional_infs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Mask(), nn.Softmax(dim=-1), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError):
+            train_step(model, optimizer, guard)
+    for kw in ({"skip_types": ["Mask"]}, {"skip_modules": ["1"]}, {"skip_types": [Mask]}):
+        with nanguard.init(model, optimizer, **kw) as guard:
+            for _ in range(3):
+                train_step(model, optimizer, guard)
+            assert guard.events == []
+
+
+class Shared(nn.Module):
+    """One module called twice per forward; the second call goes bad."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Fault(8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inner(x)
+        self.inner.armed = self.armed
+        h = self.inner(h)
+        self.inner.armed = False
+        return self.out(h)
+
+
+def test_module_called_several_times():
+    model = Shared()
+    model.inner.lin = nn.Linear(8, 8)
+    model.armed = False
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        train_step(model, optimizer, guard)
+        model.armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    assert info.value.event.layer == "inner" and info.value.event.input_nonfinite is False
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    extras: dict
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.armed = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        bad = h * math.inf if self.armed else h
+        return Output(logits=h, extras={"aux": [torch.tensor(1), (h.detach(), bad)]})
+
+
+class UsesStructured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Structured()
+
+    def forward(self, x):
+        out = self.block(x)
+        return out.logits + out.extras["aux"][1][1]
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_nested_dataclass_dict_tuple_outputs(armed):
+    model = UsesStructured()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        model.block.armed = armed
+        if not armed:
+            train_step(model, optimizer, guard)
+            return
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    assert info.value.event.layer == "block"
+
+
+def test_without_optimizer_checks_at_the_end_of_each_forward():
+    model = make_mlp()
+    with nanguard.init(model) as guard:
+        with torch.no_grad():
+            model(torch.randn(5, 8))
+            model[2].armed = True
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                model(torch.randn(5, 8))
+    assert info.value.event.layer == "2" and guard.step == 0
+
+
+def test_multihead_attention_is_covered():
+    """nn.MultiheadAttention never calls its out_proj module, so the attention module is hooked."""
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0]).mean(1)
+
+    model = Attn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        with torch.no_grad():
+            model.attn.out_proj.weight[0, 0] = math.inf
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard, x=torch.randn(5, 3, 8))
+    event = info.value.event
+    assert (event.layer, event.module_type) == ("attn", "MultiheadAttention")
+    assert "out_proj.weight" in event.message
+
+
+def test_on_stop_is_called_before_the_raise(mlp):
+    model, optimizer, _ = mlp
+    _.close()
+    seen = []
+    with nanguard.init(model, optimizer, on_stop=seen.append) as guard:
+        model[2].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    assert seen == [info.value]
+
+
+def test_events_stay_bounded_when_everything_is_nan():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer, on_nan="warn", max_events=5) as guard:
+        model[2].armed = True
+        for _ in range(50):
+            train_step(model, optimizer, guard)
+            assert guard._detector.pending == 0
+        assert len(guard.events) == 5
+
+
+def test_many_forwards_without_a_step_stay_bounded():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, max_pending=64) as guard:
+        with torch.no_grad():
+            for _ in range(200):
+                model(torch.randn(5, 8))
+                assert guard._detector.pending < 64 + 8
+            model[2].armed = True
+            model(torch.randn(5, 8))
+            model[2].armed = False
+            for _ in range(100):
+                model(torch.randn(5, 8))
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    assert info.value.event.layer == "2"
+
+
+class Huge(nn.Module):
+    """Large but finite activations: a float32 sum of them overflows, the values do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x) * 1e-3 + 3e37
+
+
+class Shrink(nn.Module):
+    def forward(self, x):
+        return (x - 3e37) * 1e3
+
+
+def test_no_false_alarm_on_huge_finite_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), Huge(), Shrink(), nn.LayerNorm(64), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(200):
+            train_step(model, optimizer, guard, x=torch.randn(32, 64) * 1e3,
+                       y=torch.randint(0, 4, (32,)))
+        assert guard.events == []
+
+
+def test_no_false_alarm_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.LayerNorm(256),
+                          nn.Linear(256, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(300):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(torch.randn(16, 64) * 100),
+                                                   torch.randint(0, 4, (16,)))
+            guard.check(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.events == [] and guard.step == 300
+
+
+def test_grad_scaler_overflow_steps_do_not_stop():
+    """fp16 autocast with a GradScaler whose scale starts far too high: the fp16 gradients
+    overflow, the scaler skips those steps and lowers its scale; nanguard must not stop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=1000)
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(30):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(16, 8))
+            loss = nn.functional.cross_entropy(out.float(), torch.randint(0, 4, (16,)))
+            guard.check(loss)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert guard.events == []
+        assert 0 < guard.step < 30  # the scaler skipped the overflowing steps itself
+    assert scaler.get_scale() < 2.0**30
+
+
+def test_grad_norm_threshold_and_spike_warn_without_stopping():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer, grad_norm_warn=50.0, spike_warmup_steps=5,
+                       param_grad_norms=True) as guard:
+        for step in range(12):
+            scale = 1e4 if step == 10 else 1.0
+            loss = model(torch.randn(4, 8)).pow(2).mean() * scale
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        kinds = [(e.kind, e.step) for e in guard.events]
+        assert ("grad_norm", 10) in kinds and ("spike", 10) in kinds
+        assert len(kinds) == 2 and guard.step == 12
+        assert set(guard.last_param_grad_norms) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        spike = next(e for e in guard.events if e.kind == "spike")
+        assert spike.grad_norm > 50 and spike.extra["top_params"]
+
+
+def test_ddp_world_of_one_strips_the_wrapper_name(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(make_mlp())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanguard.init(model, optimizer) as guard:
+            train_step(model, optimizer, guard)
+            model.module[2].armed = True
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                train_step(model, optimizer, guard)
+        assert info.value.event.layer == "2"
+    finally:
+        dist.destroy_process_group()
