@@ -2,9 +2,9 @@
 
 Every checked tensor leaves one *probe*: a 0-d device tensor (its float32 sum, exact for
 NaN and Inf: NaN + x = NaN, Inf + -Inf = NaN) appended to a list with a little metadata.
-Nothing is read on the hot path; ``summary()`` folds the probes into one device scalar that
-the guard reads once per optimizer step, and only when that scalar is non-finite does
-``first_bad()`` look at the probes one by one, in the order they were made.
+Nothing is read on the hot path: the guard stacks the step's probes (and the gradient norms)
+into one small vector and reads it once per optimizer step; only when a value in it is
+non-finite does ``first_bad()`` look at the probes one by one, in the order they were made.
 
 What is probed:
 - the floating-point tensors in the output of every leaf module (and of every module that
@@ -155,7 +155,6 @@ class Detector:
         self._spans: list[tuple[int, int, int]] = []  # (first probe index, root slot, micro-batch)
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._forwards: dict[int, int] = {}
-        self._stacked: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -321,18 +320,10 @@ class Detector:
     def pending(self) -> int:
         return len(self._vals)
 
-    def summary(self) -> torch.Tensor | None:
-        """One device scalar, non-finite when some probe of this step is (no host sync)."""
-        if not self._vals:
-            self._stacked = None
-            return None
-        try:
-            stacked = torch.stack(self._vals)
-        except RuntimeError:  # probes on several devices (pipeline stages, offloaded modules)
-            device = self._vals[0].device
-            stacked = torch.stack([v.to(device, non_blocking=True) for v in self._vals])
-        self._stacked = stacked
-        return stacked.sum()
+    @property
+    def probes(self) -> list[torch.Tensor]:
+        """This step's probes, oldest first (the guard stacks and reads them)."""
+        return self._vals
 
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
@@ -344,7 +335,6 @@ class Detector:
         self._seen.clear()
         self._kept_bytes = 0
         self._forwards.clear()
-        self._stacked = None
 
     def micro_batch_of(self, index: int) -> tuple[int | None, int | None]:
         position = bisect_right(self._spans, (index, math.inf, math.inf)) - 1
@@ -353,18 +343,18 @@ class Detector:
         _, root_slot, micro_batch = self._spans[position]
         return root_slot, micro_batch
 
-    def first_bad(self) -> dict[str, Any] | None:
-        """Event fields of the step's first non-finite probe, confirmed exactly; slow."""
-        if self._stacked is None:
-            return None
-        return self._scan(self._stacked.tolist(), self._meta)
+    def first_bad(self, values: list[float]) -> dict[str, Any] | None:
+        """Event fields of the step's first non-finite probe, confirmed exactly; slow.
+
+        ``values`` are the probes as read by the guard, in order.
+        """
+        return self._scan(values, self._meta)
 
     def first_bad_backward(self) -> dict[str, Any] | None:
         """Event fields of the first non-finite gradient sent into a root's output; slow."""
         if not self._bvals:
             return None
-        device = self._bvals[0].device
-        return self._scan(torch.stack([v.to(device) for v in self._bvals]).tolist(), self._bmeta)
+        return self._scan(stack(self._bvals).tolist(), self._bmeta)
 
     def _scan(self, values: list[float], meta: list[tuple]) -> dict[str, Any] | None:
         for index, value in enumerate(values):
@@ -470,6 +460,15 @@ def _common_parent(name: str, previous: str) -> str:
     return ".".join(common)
 
 
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` of 0-d tensors that may sit on several devices (pipeline stages)."""
+    try:
+        return torch.stack(tensors)
+    except RuntimeError:
+        device = tensors[0].device
+        return torch.stack([t.to(device, non_blocking=True) for t in tensors])
+
+
 def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(parameters that have a gradient, their gradients as plain dense tensors)."""
     owners, grads = [], []
@@ -486,17 +485,7 @@ def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[
     return owners, grads
 
 
-def grad_norms(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per-gradient L2 norms and their total, from one fused pass (no host sync).
-
-    The total is non-finite when any gradient element is, or when a norm overflows on
-    finite values; the caller confirms exactly before reporting.
-    """
-    norms = list(torch._foreach_norm(grads))
-    try:
-        stacked = torch.stack(norms)
-    except RuntimeError:  # gradients on several devices
-        stacked = torch.stack([n.to(norms[0].device, non_blocking=True) for n in norms])
-    if stacked.dtype in (torch.float16, torch.bfloat16):
-        stacked = stacked.float()
-    return norms, torch.linalg.vector_norm(stacked)
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-gradient L2 norms from one fused pass (no host sync); non-finite when a gradient
+    element is, or when a norm overflows on finite values (the caller confirms exactly)."""
+    return list(torch._foreach_norm(grads))

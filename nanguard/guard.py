@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import forensics
 from .config import Settings
-from .detector import Detector, gradients, grad_norms
+from .detector import Detector, grad_norms, gradients, stack
 from .errors import GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
 
@@ -74,7 +74,7 @@ class Guard:
         self.last_grad_norm: float | None = None
         """the total gradient norm read at the last step (rank-local)"""
         self.last_param_grad_norms: dict[str, float] = {}
-        """per-parameter gradient norms of the last step, with ``param_grad_norms=True``"""
+        """per-parameter gradient norms of the last clean step, with ``param_grad_norms=True``"""
         self.skipped_steps = 0
         self._step = 0
         self._events = EventLog(settings.max_events)
@@ -201,11 +201,13 @@ class Guard:
 
     def _settle_early(self) -> None:
         """Too many probes without a step (a long eval loop): read them now, locally."""
-        summary = self._detector.summary()
-        if summary is not None and not math.isfinite(summary.item()) and self._early is None:
-            fields = self._detector.first_bad()
-            if fields is not None:
-                self._early = self._event(fields)
+        probes = self._detector.probes
+        if probes and self._early is None:
+            values = stack(probes).tolist()
+            if not math.isfinite(sum(values)):
+                fields = self._detector.first_bad(values)
+                if fields is not None:
+                    self._early = self._event(fields)
         self._detector.reset()
         if self._early is not None and not self._optimizer_seen:
             self._act(self._take_early(), None)
@@ -215,46 +217,51 @@ class Guard:
         return event
 
     def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool) -> None:
-        settings = self.settings
         dist = _distributed() if collective else None
-        summary = self._detector.summary()
+        probes = self._detector.probes
         owners, grads = gradients(_params(optimizer)) if optimizer is not None else ([], [])
-        norms, total = grad_norms(grads) if grads else ([], None)
-        parts = [t * 0 for t in (summary, total) if t is not None]
-        if not parts and dist is None and self._early is None and self._stop_request is None:
-            return  # nothing was checked: nothing to read
+        parts = probes + (grad_norms(grads) if grads else [])
+        if not parts and dist is None:
+            self._detector.reset()
+            if self._early is not None:
+                self._act(self._take_early(), optimizer)
+            if self._stop_request is not None:
+                self._stop()
+            return
+        local_stop = self._stop_request is not None
         if parts:
-            flag = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+            vector = stack(parts)
         else:
-            device = _collective_device(dist) if dist is not None else torch.device("cpu")
-            flag = torch.zeros((), device=device)
-        if self._early is not None:
-            flag = flag + math.nan
-        head = [flag, torch.full((), 1.0 if self._stop_request else 0.0, device=flag.device)]
-        tail = ([total] if total is not None else []) + (norms if settings.param_grad_norms else [])
-        vector = torch.stack(head + [t.to(flag.device) for t in tail])
+            vector = torch.zeros(0, device=_collective_device(dist))
         if dist is not None:
-            dist.all_reduce(vector[:2])
+            # every rank must take the same decision: share "something is bad" and "stop"
+            flags = torch.stack([vector.sum() + (math.nan if self._early else 0.0),
+                                 torch.full((), float(local_stop), device=vector.device)])
+            dist.all_reduce(flags)
+            vector = torch.cat([flags, vector])
         values = vector.tolist()  # the one device-to-host read of the step
-        if total is not None:
-            self.last_grad_norm = values[2]
-        if settings.param_grad_norms and norms:
-            self.last_param_grad_norms = {
-                self._param_name(p): v for p, v in zip(owners, values[3:], strict=True)}
-        if not math.isfinite(values[0]):
-            event = self._job_first_event(owners, grads, dist)
+        if dist is not None:
+            (flag, stop), values = values[:2], values[2:]
+            bad = not math.isfinite(flag)
+        else:
+            stop = local_stop
+            bad = self._early is not None or not math.isfinite(sum(values))
+        probe_values, norm_values = values[:len(probes)], values[len(probes):]
+        if bad:
+            event = self._job_first_event(probe_values, owners, grads, dist)
             if event is not None:
                 self._detector.reset()
                 self._act(event, optimizer)
                 return
         self._detector.reset()
-        if values[1] > 0:
-            self._stop(dist)
-        if total is not None and math.isfinite(values[2]):
-            self._watch_norm(values[2], owners, values[3:] if settings.param_grad_norms else None)
+        if stop:
+            self._stop()
+        if norm_values:
+            self._watch_norms(norm_values, owners)
 
-    def _job_first_event(self, owners, grads, dist) -> Event | None:
-        local = self._take_early() if self._early is not None else self._local_first_event(owners, grads)
+    def _job_first_event(self, probe_values, owners, grads, dist) -> Event | None:
+        local = (self._take_early() if self._early is not None
+                 else self._local_first_event(probe_values, owners, grads))
         if dist is None:
             return local
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -267,8 +274,8 @@ class Guard:
             self._events.add(local)  # what this rank saw, kept beside the job's first event
         return first
 
-    def _local_first_event(self, owners, grads) -> Event | None:
-        fields = self._detector.first_bad()
+    def _local_first_event(self, probe_values, owners, grads) -> Event | None:
+        fields = self._detector.first_bad(probe_values)
         if fields is not None:
             return self._event(fields)
         bad = [(p, g) for p, g in zip(owners, grads) if not forensics.is_finite(g)]
@@ -321,7 +328,7 @@ class Guard:
                 self._on_stop(error)
             raise error
 
-    def _stop(self, dist) -> None:
+    def _stop(self) -> None:
         reason = self._stop_request or "remote"
         self._stop_request = None
         error = StopRequested(
@@ -331,12 +338,15 @@ class Guard:
             self._on_stop(error)
         raise error
 
-    def _watch_norm(self, norm: float, owners, param_norms: list[float] | None) -> None:
+    def _watch_norms(self, norms: list[float], owners: list[torch.Tensor]) -> None:
+        """Grad-norm guard: warn on a threshold and on a spike over the running level."""
         settings = self.settings
-        top: dict[str, float] = {}
-        if param_norms:
-            ranked = sorted(zip(param_norms, owners), key=lambda x: -x[0])[:5]
-            top = {self._param_name(p): v for v, p in ranked}
+        norm = math.sqrt(math.fsum(n * n for n in norms))
+        self.last_grad_norm = norm
+        if settings.param_grad_norms:
+            self.last_param_grad_norms = {self._param_name(p): n for p, n in zip(owners, norms)}
+        if not math.isfinite(norm):
+            return  # finite gradients whose norm overflows: nothing to compare
         warnings = []
         if settings.grad_norm_warn is not None and norm > settings.grad_norm_warn:
             warnings.append(("grad_norm", f"gradient norm {norm:.4g} is above grad_norm_warn"
@@ -346,13 +356,17 @@ class Guard:
             warnings.append(("spike", f"gradient norm {norm:.4g} is {norm / self._level:.1f}x its"
                                       f" running level {self._level:.4g}"))
         else:
-            # running level: mean over warm-up, then an exponential average of ordinary steps
+            # running level: the mean over warm-up, then an exponential average of ordinary steps
             self._clean_steps += 1
             weight = max(1 / self._clean_steps, 0.05)
             self._level = norm if self._level is None else (1 - weight) * self._level + weight * norm
+        if not warnings:
+            return
+        ranked = sorted(zip(norms, owners), key=lambda pair: -pair[0])[:5]
+        top = {self._param_name(p): n for n, p in ranked}
         for kind, text in warnings:
             event = self._event({"kind": kind, "layer": next(iter(top), ""), "grad_norm": norm,
-                                 "message": text, "extra": {"top_params": top} if top else {}})
+                                 "message": text, "extra": {"top_params": top}})
             self._events.add(event)
             log.warning("nanguard: %s", event)
 
