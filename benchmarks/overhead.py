@@ -357,7 +357,11 @@ def run_mem_probe_subprocess(model: str, variant: str, args: argparse.Namespace)
            "--threads", str(args.threads), "--device", args.device]
     if args.quick:
         cmd.append("--quick")
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # glibc raises its mmap threshold as large blocks are freed, so whether a tensor's
+    # memory goes back to the OS varies from run to run; a fixed threshold makes the
+    # peak RSS repeatable to about 1 MiB instead of tens of MiB.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:  # report it, keep the timings
         return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -411,16 +415,23 @@ def print_table(results: list[Result]) -> None:
               f"| {res.paired_ratio:.3f} | {target_cell(MODELS[res.model], res)} |")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated subset of: " + ", ".join(MODELS))
-    p.add_argument("--rounds", type=int, help="rounds per model (default: per model)")
-    p.add_argument("--steps", type=int, help="steps per variant per round (default: per model)")
+    p.add_argument("--rounds", type=positive_int, help="rounds per model (default: per model)")
+    p.add_argument("--steps", type=positive_int, help="steps per variant per round (default: per model)")
     p.add_argument("--warmup", type=int, help="untimed steps per variant (default: per model)")
     p.add_argument("--quick", action="store_true", help="few rounds; a smoke test")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--no-mem", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
