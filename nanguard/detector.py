@@ -56,6 +56,8 @@ _COMPILED = -1  # the "version" of a probe made inside a compiled graph
 
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in a nest of tuples, lists, dicts and dataclasses."""
+    if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # the common call
+        return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() or obj.is_complex() else []
     found: list[torch.Tensor] = []
@@ -82,7 +84,7 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
             tensor = to_local()
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
-    return tensor.detach()
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def probe(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,6 +154,7 @@ class Detector:
         self._meta: list[tuple] = []
         self._bvals: list[torch.Tensor] = []
         self._bmeta: list[tuple] = []
+        self._zeros: dict[torch.device, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] = []  # (first probe index, root slot, micro-batch)
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._forwards: dict[int, int] = {}
@@ -183,8 +186,11 @@ class Detector:
             # them; an output that is a child's output again is recognised and not re-checked.
             leaf = next(module.children(), None) is None or any(
                 p is not None for p in module._parameters.values())
+            # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
+            # several microseconds more per call. A value passed by keyword is still caught at the
+            # output it poisons.
             hook = self._make_hook(slot, mode, leaf)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(hook))
         root_slot = self._modules[root]
         self.slots[root_slot].root = True
         self._handles.append(root.register_forward_pre_hook(
@@ -210,11 +216,17 @@ class Detector:
         return CHECK_MODE
 
     # ------------------------------------------------------------------ hot path
-    def _add(self, tensor: torch.Tensor, role: int, slot: int) -> None:
+    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
+        """Probe a forward tensor and remember it as checked."""
+        self._entry(tensor, role, slot, lazy, self._vals, self._meta)
+        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
+
+    def _entry(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool,
+               vals: list[torch.Tensor], meta: list[tuple]) -> None:
+        """Append a probe of ``tensor``. A ``lazy`` one (the batch, the loss's gradient) is only
+        kept, when the byte budget allows, and checked exactly once the step is known bad."""
         local = plain(tensor)
-        self._vals.append(_sum(local))
-        ref = weakref.ref(tensor)
-        kept: Any = ref
+        kept: Any = None
         if self._kept_bytes < self._detail_bytes:
             # Keep the step's first tensors (up to a byte budget) so a bad one can be described
             # exactly after the backward pass has freed the activations.
@@ -222,8 +234,17 @@ class Detector:
             if self._kept_bytes + size <= self._detail_bytes:
                 self._kept_bytes += size
                 kept = local
-        self._meta.append((role, slot, kept, tensor._version, tensor.shape, tensor.dtype))
-        self._seen[id(tensor)] = (ref, tensor._version)
+        if kept is None:
+            kept = weakref.ref(tensor)
+            lazy = False
+        vals.append(self._zero(local.device) if lazy else _sum(local))
+        meta.append((role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), device=device)
+        return zero
 
     def _is_seen(self, tensor: torch.Tensor) -> bool:
         entry = self._seen.get(id(tensor))
@@ -234,36 +255,48 @@ class Detector:
             self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
 
     def _make_hook(self, slot: int, mode: int, leaf: bool):
-        def hook(module, args, kwargs, output):
-            if torch.compiler.is_compiling():
+        is_compiling = torch.compiler.is_compiling
+        seen = self._seen
+        add = self._add
+
+        def unchecked(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            out = []
+            for tensor in tensors:
+                entry = seen.get(id(tensor))
+                if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+                    out.append(tensor)
+            return out
+
+        def hook(module, args, output):
+            if is_compiling():
                 # Inside a compiled graph only tensor math and list appends (no graph break),
                 # and only leaves: without identity tracking a container would re-check.
                 if mode == CHECK_MODE and leaf:
                     for tensor in floating_tensors(output):
                         self._vals.append(probe(tensor))
-                        self._meta.append((OUT, slot, None, _COMPILED, None, None))
+                        self._meta.append((OUT, slot, None, _COMPILED, None, None, False))
                 return None
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
                 self._mark_seen(outputs)
                 return None
-            for tensor in floating_tensors(args) + (floating_tensors(kwargs) if kwargs else []):
-                if not self._is_seen(tensor):
-                    self._add(tensor, IN, slot)
+            for tensor in unchecked(floating_tensors(args)):
+                add(tensor, IN, slot)
             if mode == PASS_MODE:
                 self._mark_seen(outputs)
             else:
-                for tensor in outputs:
-                    if not self._is_seen(tensor):
-                        self._add(tensor, OUT, slot)
+                for tensor in unchecked(outputs):
+                    add(tensor, OUT, slot)
             return None
 
         return hook
 
     def _make_root_pre(self, root_slot: int):
-        @torch.compiler.disable
         def root_pre(module, args, kwargs):
-            self.root_pre(root_slot, args, kwargs)
+            # A root compiled in place (module.compile()) runs its hooks inside the graph: leave
+            # out the bookkeeping there, Dynamo would recompile on every new micro-batch number.
+            if not torch.compiler.is_compiling():
+                self.root_pre(root_slot, args, kwargs)
             return None
 
         return root_pre
@@ -275,14 +308,15 @@ class Detector:
         self._spans.append((len(self._meta), root_slot, micro_batch))
         for tensor in floating_tensors(args) + floating_tensors(kwargs):
             if not self._is_seen(tensor):
-                self._add(tensor, BATCH, root_slot)
+                self._add(tensor, BATCH, root_slot, lazy=True)
 
     def slot_of(self, module: nn.Module) -> int:
         return self._modules[module]
 
     def _make_root_post(self, root_slot: int):
-        @torch.compiler.disable
         def root_post(module, args, kwargs, output):
+            if torch.compiler.is_compiling():
+                return None
             if torch.is_grad_enabled():
                 micro_batch = self._forwards.get(root_slot, 1) - 1
                 for tensor in floating_tensors(output):
@@ -300,8 +334,8 @@ class Detector:
             # it skips those steps itself. Consulted once the gradients are known to be bad.
             if len(self._bvals) >= _MAX_BACKWARD_PROBES:
                 del self._bvals[: _MAX_BACKWARD_PROBES // 2], self._bmeta[: _MAX_BACKWARD_PROBES // 2]
-            self._bvals.append(probe(grad))
-            self._bmeta.append((BACKWARD, root_slot, None, micro_batch, grad.shape, grad.dtype))
+            # the micro-batch travels in the slot field: (root slot, micro-batch)
+            self._entry(grad, BACKWARD, (root_slot, micro_batch), True, self._bvals, self._bmeta)
             return None
 
         return backward_hook
@@ -358,16 +392,18 @@ class Detector:
 
     def _scan(self, values: list[float], meta: list[tuple]) -> dict[str, Any] | None:
         for index, value in enumerate(values):
-            if math.isfinite(value):
+            role, slot, ref, version, shape, dtype, lazy = meta[index]
+            if math.isfinite(value) and not lazy:
                 continue
-            role, slot, ref, version, shape, dtype = meta[index]
             tensor = ref() if isinstance(ref, weakref.ref) else ref
             if tensor is not None and tensor._version != version:
                 tensor = None  # changed in place since: its content is no longer what was probed
             if tensor is not None:
                 stats = forensics.describe(tensor)
                 if not stats["bad_count"]:
-                    continue  # a float32 sum that overflowed on finite values
+                    continue  # lazy and finite, or a float32 sum that overflowed on finite values
+            elif lazy:
+                continue  # changed in place since it was kept: nothing to tell
             else:
                 stats = {"has_nan": math.isnan(value), "has_inf": not math.isnan(value)}
                 if shape is not None:
@@ -379,9 +415,9 @@ class Detector:
     def _explain(self, index: int, role: int, slot: int, stats: dict[str, Any],
                  values: list[float]) -> dict[str, Any]:
         if role == BACKWARD:
-            root_slot, micro_batch = slot, self._bmeta[index][3]
+            slot, micro_batch = slot
         else:
-            root_slot, micro_batch = self.micro_batch_of(index)
+            micro_batch = self.micro_batch_of(index)[1]
         fields: dict[str, Any] = {"micro_batch": micro_batch, **stats}
         unexact = "bad_count" not in stats
         if unexact:
@@ -481,7 +517,7 @@ def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[
         if grad.is_sparse:
             grad = grad.coalesce().values()
         owners.append(param)
-        grads.append(grad.detach())
+        grads.append(grad)
     return owners, grads
 
 
