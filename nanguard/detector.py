@@ -155,6 +155,8 @@ class Detector:
         self._bvals: list[torch.Tensor] = []
         self._bmeta: list[tuple] = []
         self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._bucket_vals: list[torch.Tensor] = []
+        self.watches_buckets = False
         self._spans: list[tuple[int, int, int]] = []  # (first probe index, root slot, micro-batch)
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._forwards: dict[int, int] = {}
@@ -191,6 +193,9 @@ class Detector:
             # output it poisons.
             hook = self._make_hook(slot, mode, leaf)
             self._handles.append(module.register_forward_hook(hook))
+        for module in names:
+            if type(module).__name__ == "DistributedDataParallel":
+                self._watch_buckets(module)
         root_slot = self._modules[root]
         self.slots[root_slot].root = True
         self._handles.append(root.register_forward_pre_hook(
@@ -198,6 +203,37 @@ class Detector:
         self._handles.append(root.register_forward_hook(
             self._make_root_post(root_slot), with_kwargs=True))
         return root_slot
+
+    def _watch_buckets(self, ddp: nn.Module) -> None:
+        """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
+        NaN born in its own backward from one the all-reduce brought in from another rank.
+
+        DDP takes one communication hook: ours does the default all-reduce, and a hook the
+        user registers later is called by ours instead (it replaces the default).
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
+
+        def bucket_hook(state, bucket):
+            if self._handles:  # still attached
+                self._bucket_vals.append(probe(bucket.buffer()))
+            return route["hook"](route["state"], bucket)
+
+        def register_comm_hook(state, hook):
+            route["state"], route["hook"] = state, hook
+
+        try:
+            ddp.register_comm_hook(None, bucket_hook)
+        except RuntimeError:
+            return  # the user registered a hook first: no per-rank origin for backward NaNs
+        ddp.register_comm_hook = register_comm_hook
+        self.watches_buckets = True
+
+    @property
+    def bucket_probes(self) -> list[torch.Tensor]:
+        """Probes of this step's local gradients before DDP's all-reduce (read with the rest)."""
+        return self._bucket_vals
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -365,6 +401,7 @@ class Detector:
         self._meta.clear()
         self._bvals.clear()
         self._bmeta.clear()
+        self._bucket_vals.clear()
         self._spans.clear()
         self._seen.clear()
         self._kept_bytes = 0

@@ -107,7 +107,8 @@ class Guard:
     # ------------------------------------------------------------------ public surface
     @property
     def step(self) -> int:
-        """Optimizer steps seen (the 0-based index of the step in progress)."""
+        """``optimizer.step()`` calls seen, a refused one included; between steps, the 0-based
+        index of the next step (events carry the index of the step they happened in)."""
         return self._step
 
     @property
@@ -175,10 +176,10 @@ class Guard:
 
     def _discover(self, module: nn.Module, args: tuple) -> None:
         """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""
-        if torch.compiler.is_compiling() or self._detector.owns(module):
+        if torch.compiler.is_compiling() or self._detector.owns(module) or module in _owners:
             return
-        if module in _owners:
-            return
+        if isinstance(module, torch.fx.GraphModule):
+            return  # compiled code runs its graphs as modules; a user's FX model needs init(model)
         self._attach(module)
         # Hooks added during this call's pre-hooks only fire from the next call on.
         self._detector.root_pre(self._detector.slot_of(module), args, {})
@@ -219,8 +220,10 @@ class Guard:
     def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool) -> None:
         dist = _distributed() if collective else None
         probes = self._detector.probes
+        buckets = self._detector.bucket_probes
         owners, grads = gradients(_params(optimizer)) if optimizer is not None else ([], [])
-        parts = probes + (grad_norms(grads) if grads else [])
+        norms = grad_norms(grads) if grads else []
+        parts = probes + norms + buckets
         if not parts and dist is None:
             self._detector.reset()
             if self._early is not None:
@@ -246,9 +249,11 @@ class Guard:
         else:
             stop = local_stop
             bad = self._early is not None or not math.isfinite(sum(values))
-        probe_values, norm_values = values[:len(probes)], values[len(probes):]
+        probe_values = values[:len(probes)]
+        norm_values = values[len(probes):len(probes) + len(norms)]
+        local_grads_bad = not math.isfinite(sum(values[len(probes) + len(norms):]))
         if bad:
-            event = self._job_first_event(probe_values, owners, grads, dist)
+            event = self._job_first_event(probe_values, owners, grads, dist, local_grads_bad)
             if event is not None:
                 self._detector.reset()
                 self._act(event, optimizer)
@@ -259,9 +264,14 @@ class Guard:
         if norm_values:
             self._watch_norms(norm_values, owners)
 
-    def _job_first_event(self, probe_values, owners, grads, dist) -> Event | None:
+    def _job_first_event(self, probe_values, owners, grads, dist, local_grads_bad) -> Event | None:
         local = (self._take_early() if self._early is not None
                  else self._local_first_event(probe_values, owners, grads))
+        if local is not None and local.kind == "grad" and self._detector.watches_buckets:
+            local.extra["born_here"] = local_grads_bad
+            if not local_grads_bad:
+                local.message += ("; this rank's own gradients were finite before DDP's"
+                                  " all-reduce: another rank sent the non-finite values")
         if dist is None:
             return local
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -269,7 +279,8 @@ class Guard:
         candidates = [Event.from_dict(d) for d in gathered if d is not None]
         if not candidates:
             return None
-        first = min(candidates, key=lambda e: (_KIND_ORDER.get(e.kind, 9), e.rank))
+        first = min(candidates, key=lambda e: (
+            _KIND_ORDER.get(e.kind, 9), not e.extra.get("born_here", True), e.rank))
         if local is not None and first.rank != local.rank:
             self._events.add(local)  # what this rank saw, kept beside the job's first event
         return first
@@ -371,7 +382,8 @@ class Guard:
             log.warning("nanguard: %s", event)
 
     def _param_name(self, param: torch.Tensor) -> str:
-        return self._detector.param_names.get(id(param), f"param@{id(param):x}")
+        name = self._detector.param_names.get(id(param))
+        return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -71,15 +71,6 @@ def test_ddp_nan_in_the_input_batch_is_reported_as_an_input(torchrun):
     assert event["layer"] == FIRST_LAYER  # the first module the bad batch reached
 
 
-# KNOWN NANGUARD BUG (reported, not fixed here): nanguard/guard.py, Guard._job_first_event,
-# line ~272: `min(candidates, key=(_KIND_ORDER[kind], rank))`. Gradients are checked only in the
-# optimizer step pre-hook, after DDP's all-reduce has copied rank 1's NaN into rank 0's
-# gradients, so both ranks report an identical 'grad' event and the lower rank (0) is named.
-BACKWARD_RANK_BUG = (
-    "nanguard BUG (guard.py _job_first_event): a NaN born in backward on rank 1 is reported as"
-    " rank 0's, because DDP's all-reduce spread it to rank 0 and ties go to the lower rank")
-
-
 @pytest.mark.timeout(180)
 def test_ddp_nan_born_in_backward_on_one_rank(torchrun):
     job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1",
@@ -93,8 +84,7 @@ def test_ddp_nan_born_in_backward_on_one_rank(torchrun):
     # DESIGN, Contract: err.event is the job's first event "whichever rank saw it ... a forward
     # producer wins over the gradients it poisoned, and over what DDP's all-reduce spread to
     # other ranks". Rank 0's NaN gradients are only what the all-reduce spread from rank 1.
-    if event["rank"] == 0:
-        pytest.xfail(BACKWARD_RANK_BUG)  # delete this line to see the test fail
+    assert event["extra"]["born_here"] is True
     assert event["rank"] == 1, (
         f"job's first event names rank {event['rank']}; the NaN was born on rank 1 and DDP's"
         " all-reduce only spread it to rank 0")

@@ -188,3 +188,17 @@ def test_compiled_model_keeps_one_graph_and_still_stops():
     event = info.value.event
     assert (event.layer, event.input_nonfinite, event.has_nan) == ("4", None, True)
     assert "compiled graph" in event.message
+
+
+def test_bare_init_with_a_compiled_model():
+    """Compiled code runs FX graphs as modules: a bare init() must leave those alone."""
+    torch._dynamo.reset()
+    with nanguard.init() as guard:
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="aot_eager")
+        train_step(compiled, optimizer, guard)
+        model[4].weight.data[0, 0] = math.nan
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(compiled, optimizer, guard)
+    assert (info.value.event.layer, info.value.event.step) == ("4", 1)

@@ -438,6 +438,18 @@ def test_ddp_world_of_one_strips_the_wrapper_name(tmp_path):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with nanguard.init(model, optimizer) as guard:
             train_step(model, optimizer, guard)
+            assert len(guard._detector.bucket_probes) == 0  # read and reset with the step
+            calls = []
+
+            def user_hook(state, bucket):  # a team's own comm hook, registered after init
+                calls.append(state)
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+
+            model.register_comm_hook("mine", user_hook)
+            train_step(model, optimizer, guard)
+            assert calls and set(calls) == {"mine"}
             model.module[2].armed = True
             with pytest.raises(nanguard.NonFiniteError) as info:
                 train_step(model, optimizer, guard)
