@@ -31,7 +31,7 @@ from torch import nn
 from . import forensics
 
 # probe roles
-OUT, IN, BATCH, CHECK, BACKWARD = range(5)
+OUT, IN, BATCH, CHECK = range(4)
 
 # Modules whose output is finite whenever their input is: their outputs need no probe of
 # their own, the probe of their input covers them.
@@ -48,7 +48,6 @@ _WRAPPERS = {
 }
 _MAX_NESTING = 32
 _MAX_CHECK_NAMES = 1024
-_MAX_BACKWARD_PROBES = 1024
 
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
 _COMPILED = -1  # the "version" of a probe made inside a compiled graph
@@ -152,8 +151,6 @@ class Detector:
         self._check_names: dict[str, int] = {}
         self._vals: list[torch.Tensor] = []
         self._meta: list[tuple] = []
-        self._bvals: list[torch.Tensor] = []
-        self._bmeta: list[tuple] = []
         self._zeros: dict[torch.device, torch.Tensor] = {}
         self._bucket_vals: list[torch.Tensor] = []
         self.watches_buckets = False
@@ -253,13 +250,7 @@ class Detector:
 
     # ------------------------------------------------------------------ hot path
     def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
-        """Probe a forward tensor and remember it as checked."""
-        self._entry(tensor, role, slot, lazy, self._vals, self._meta)
-        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
-
-    def _entry(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool,
-               vals: list[torch.Tensor], meta: list[tuple]) -> None:
-        """Append a probe of ``tensor``. A ``lazy`` one (the batch, the loss's gradient) is only
+        """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         local = plain(tensor)
         kept: Any = None
@@ -270,11 +261,12 @@ class Detector:
             if self._kept_bytes + size <= self._detail_bytes:
                 self._kept_bytes += size
                 kept = local
+        ref = weakref.ref(tensor)
         if kept is None:
-            kept = weakref.ref(tensor)
-            lazy = False
-        vals.append(self._zero(local.device) if lazy else _sum(local))
-        meta.append((role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
+            kept, lazy = ref, False
+        self._vals.append(self._zero(local.device) if lazy else _sum(local))
+        self._meta.append((role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
+        self._seen[id(tensor)] = (ref, tensor._version)
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         zero = self._zeros.get(device)
@@ -351,30 +343,11 @@ class Detector:
 
     def _make_root_post(self, root_slot: int):
         def root_post(module, args, kwargs, output):
-            if torch.compiler.is_compiling():
-                return None
-            if torch.is_grad_enabled():
-                micro_batch = self._forwards.get(root_slot, 1) - 1
-                for tensor in floating_tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._make_backward_hook(root_slot, micro_batch))
-            if self.on_root_end is not None:
+            if self.on_root_end is not None and not torch.compiler.is_compiling():
                 self.on_root_end()
             return None
 
         return root_post
-
-    def _make_backward_hook(self, root_slot: int, micro_batch: int):
-        def backward_hook(grad):
-            # Advisory only: a GradScaler's deliberately overflowing steps send Inf here, and
-            # it skips those steps itself. Consulted once the gradients are known to be bad.
-            if len(self._bvals) >= _MAX_BACKWARD_PROBES:
-                del self._bvals[: _MAX_BACKWARD_PROBES // 2], self._bmeta[: _MAX_BACKWARD_PROBES // 2]
-            # the micro-batch travels in the slot field: (root slot, micro-batch)
-            self._entry(grad, BACKWARD, (root_slot, micro_batch), True, self._bvals, self._bmeta)
-            return None
-
-        return backward_hook
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self._check_names.get(name)
@@ -399,8 +372,6 @@ class Detector:
         """Forget this step's probes (after a decision)."""
         self._vals.clear()
         self._meta.clear()
-        self._bvals.clear()
-        self._bmeta.clear()
         self._bucket_vals.clear()
         self._spans.clear()
         self._seen.clear()
@@ -420,12 +391,6 @@ class Detector:
         ``values`` are the probes as read by the guard, in order.
         """
         return self._scan(values, self._meta)
-
-    def first_bad_backward(self) -> dict[str, Any] | None:
-        """Event fields of the first non-finite gradient sent into a root's output; slow."""
-        if not self._bvals:
-            return None
-        return self._scan(stack(self._bvals).tolist(), self._bmeta)
 
     def _scan(self, values: list[float], meta: list[tuple]) -> dict[str, Any] | None:
         for index, value in enumerate(values):
@@ -451,10 +416,7 @@ class Detector:
 
     def _explain(self, index: int, role: int, slot: int, stats: dict[str, Any],
                  values: list[float]) -> dict[str, Any]:
-        if role == BACKWARD:
-            slot, micro_batch = slot
-        else:
-            micro_batch = self.micro_batch_of(index)[1]
+        micro_batch = self.micro_batch_of(index)[1]
         fields: dict[str, Any] = {"micro_batch": micro_batch, **stats}
         unexact = "bad_count" not in stats
         if unexact:
@@ -465,12 +427,6 @@ class Detector:
             return fields | {"kind": "loss" if name == "loss" else "check", "layer": name,
                              "micro_batch": None}
         info = self.slots[slot]
-        if role == BACKWARD:
-            return fields | {"kind": "loss", "layer": "loss", "message": _join(
-                f"the forward was finite but the gradient sent into the output of"
-                f" {info.name or 'the model'} ({info.module_type}) was not: the loss, or code"
-                " between the model and the loss, made it (guard.check(loss) shows its value)",
-                fields.get("message"))}
         fields |= {"layer": info.name, "module_type": info.module_type}
         later_out = [i for i in range(index + 1, len(values)) if self._meta[i][0] == OUT]
         bad_out = next((i for i in later_out if not math.isfinite(values[i])), None)

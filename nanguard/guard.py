@@ -292,24 +292,28 @@ class Guard:
         bad = [(p, g) for p, g in zip(owners, grads) if not forensics.is_finite(g)]
         if not bad:
             return None  # a norm that overflowed on finite gradients
-        loss = self._detector.first_bad_backward()
-        if loss is not None:
-            return self._event(loss)
         order = {slot: i for i, slot in enumerate(self._detector.backward_order())}
         owner_of = self._detector.param_owner
         bad.sort(key=lambda pg: order.get(owner_of.get(id(pg[0]), -1), len(order)))
         param, grad = bad[0]
         slot = owner_of.get(id(param))
         names = [self._param_name(p) for p, _ in bad]
-        return self._event({
-            "kind": "grad", "layer": names[0],
-            "module_type": self._detector.slots[slot].module_type if slot is not None else "",
-            **forensics.describe(grad),
-            "message": (f"{len(bad)} of {len(grads)} parameter gradients are non-finite, this one"
-                        " first in backward order; the forward and the gradient sent into the model"
-                        " output were finite, so it was born in the backward pass"),
-            "extra": {"bad_params": names[:16]},
-        })
+        fields = {"kind": "grad", "layer": names[0],
+                  "module_type": self._detector.slots[slot].module_type if slot is not None else "",
+                  **forensics.describe(grad), "extra": {"bad_params": names[:16]}}
+        counted = f"{len(bad)} of {len(grads)} parameter gradients are non-finite"
+        last = next(iter(order), None)  # the last module to run: the first in backward order
+        if last is not None and owner_of.get(id(param)) == last:
+            # Even the first gradients of the backward pass are bad: what entered it was.
+            return self._event(fields | {
+                "kind": "loss", "layer": "loss", "module_type": "",
+                "message": f"the forward was finite but {counted}, starting with {names[0]}, the"
+                           " first in backward order: the gradient entering the model's backward"
+                           " was already non-finite, so most likely the loss (or code between the model and"
+                           " the loss) made it; guard.check(loss) shows the loss's value"})
+        return self._event(fields | {"message": (
+            f"{counted}, this one first in backward order; the forward and the gradients of the"
+            " modules that ran after it were finite, so it was born in the backward pass")})
 
     def _event(self, fields: dict[str, Any]) -> Event:
         return Event(rank=_rank(), step=self._step, host=self._host, time=time.time(), **fields)
@@ -352,7 +356,7 @@ class Guard:
     def _watch_norms(self, norms: list[float], owners: list[torch.Tensor]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
         settings = self.settings
-        norm = math.sqrt(math.fsum(n * n for n in norms))
+        norm = math.hypot(*norms)
         self.last_grad_norm = norm
         if settings.param_grad_norms:
             self.last_param_grad_norms = {self._param_name(p): n for p, n in zip(owners, norms)}

@@ -44,11 +44,16 @@ def assert_common_stop(results: dict[int, dict], step: int, *, same_weights_acro
     return events[0]
 
 
+def ddp_fault_on_rank_1(torchrun, fault):
+    """A 2-rank DDP job whose rank 1 meets ``fault`` at step 5: the common stop's event."""
+    job = torchrun.standalone("ddp_train.py", "--fault", fault, "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8")
+    return job, assert_common_stop(job.ok(world=2), step=5)
+
+
 @pytest.mark.timeout(180)
 def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun):
-    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
-                              "--fault-step", "5", "--steps", "8")
-    event = assert_common_stop(job.ok(world=2), step=5)
+    job, event = ddp_fault_on_rank_1(torchrun, "forward")
     assert event["kind"] == "forward"
     assert event["rank"] == 1
     assert event["layer"] == FAULT_LAYER  # no DDP "module." prefix
@@ -62,9 +67,7 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
 
 @pytest.mark.timeout(180)
 def test_ddp_nan_in_the_input_batch_is_reported_as_an_input(torchrun):
-    job = torchrun.standalone("ddp_train.py", "--fault", "input", "--fault-rank", "1",
-                              "--fault-step", "5", "--steps", "8")
-    event = assert_common_stop(job.ok(world=2), step=5)
+    _, event = ddp_fault_on_rank_1(torchrun, "input")
     assert event["kind"] == "forward"
     assert event["rank"] == 1
     assert event["input_nonfinite"] is True
@@ -73,9 +76,7 @@ def test_ddp_nan_in_the_input_batch_is_reported_as_an_input(torchrun):
 
 @pytest.mark.timeout(180)
 def test_ddp_nan_born_in_backward_on_one_rank(torchrun):
-    job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1",
-                              "--fault-step", "5", "--steps", "8")
-    event = assert_common_stop(job.ok(world=2), step=5)
+    _, event = ddp_fault_on_rank_1(torchrun, "backward")
     assert event["kind"] == "grad"
     # the first non-finite gradient in backward order: the parameter just before the fault
     assert event["layer"] == "blocks.1.fc.weight"

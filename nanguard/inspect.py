@@ -1,0 +1,110 @@
+"""``nanguard inspect DIR``: what an incident says, read without the training code.
+
+Reads only the manifest and the JSON files (and checks every file's sha256); never unpickles
+a state or a batch, so it runs anywhere torch is installed, on any incident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .capture import Incident, IncidentError, read_incident
+from .events import Event
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _role(event: Event) -> str:
+    """Producer or propagator: did the layer make the value, or only pass on a bad input?"""
+    if event.input_nonfinite is None:
+        return "unknown (its inputs were not checked)"
+    if event.input_nonfinite:
+        return "propagator: its inputs were already non-finite; the cause lies upstream"
+    return "producer: its inputs were finite and its output is not; the cause is in this layer"
+
+
+def as_json(incident: Incident) -> dict[str, Any]:
+    """One JSON-ready object: the incident, its first event, the files per rank and the replay."""
+    manifest = incident.manifest
+    return {
+        "incident": incident.name,
+        "path": incident.path,
+        "step": incident.step,
+        "world_size": incident.world_size,
+        "created": manifest.get("created"),
+        "first_event": incident.first_event.to_dict(),
+        "capture_batch": manifest["capture_batch"],
+        "sharded": manifest["sharded"],
+        "notes": manifest.get("notes") or {},
+        "ranks": [{"rank": r["rank"], "files": r["files"]} for r in manifest["ranks"]],
+        "replay": incident.replay_report(),
+    }
+
+
+def summary(incident: Incident) -> str:
+    """A few readable lines: where it happened, who made the value, the replay verdict, the files."""
+    data = as_json(incident)
+    event = incident.first_event
+    where = f"rank {event.rank}" + (f" on {event.host}" if event.host else "")
+    if event.micro_batch is not None:
+        where += f", micro-batch {event.micro_batch}"
+    lines = [
+        f"incident     {data['incident']}  ({data['path']})",
+        f"step         {data['step']}, world size {data['world_size']}, captured {data['created']}",
+        f"first seen   by {where}",
+        f"kind         {event.kind}",
+        f"layer        {event.layer or '-'}" + (f" ({event.module_type})" if event.module_type else ""),
+        f"role         {_role(event)}",
+        f"values       {event.detail()}",
+    ]
+    replay = data["replay"]
+    if replay is None:
+        lines.append("replay       not run yet (run the same script with NANGUARD_REPLAY=" + data["path"] + ")")
+    else:
+        text = f"replay       {replay.get('verdict')}"
+        replayed = replay.get("first_event")
+        if replayed is None:
+            text += ": no non-finite value the second time"
+        else:
+            try:
+                text += f": {Event.from_dict(replayed)}"
+            except ValueError:  # ProtocolError: the report is ours, but say so rather than fail
+                text += ": (the replayed first event is not readable)"
+        lines.append(text)
+        if replay.get("message"):
+            lines.append(f"             {replay['message']}")
+    if data["sharded"]:
+        lines.append(f"sharded      {data['sharded']}")
+    if not data["capture_batch"]:
+        lines.append("batches      not captured (capture_batch=False): a replay needs the data from elsewhere")
+    for key, value in data["notes"].items():
+        lines.append(f"note         {key}: {value}")
+    for r in data["ranks"]:
+        files = ", ".join(f"{path.split('/', 1)[1]} {_size(entry['size'])}" for path, entry in r["files"].items())
+        lines.append(f"rank {r['rank']:<7} {files}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``nanguard inspect DIR [--json]``: 0 on success, 2 on a missing, partial or damaged incident."""
+    parser = argparse.ArgumentParser(prog="nanguard inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", metavar="DIR", help="an incident folder (under NANGUARD_DIR)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    args = parser.parse_args(argv)
+    try:
+        incident = read_incident(args.dir)
+        text = json.dumps(as_json(incident), allow_nan=False) if args.json else summary(incident)
+    except IncidentError as err:
+        print(f"nanguard inspect: {err.path}: {err.reason}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
