@@ -199,6 +199,7 @@ VARIANTS = {
         Variant("nanguard", attach_nanguard(), needs_nanguard=True),
         Variant("nanguard+param-grads", attach_nanguard(param_grad_norms=True),
                 needs_nanguard=True),
+        Variant("nanguard detail_mb=0", attach_nanguard(detail_mb=0), needs_nanguard=True),
         Variant("detect_anomaly", step_context=anomaly_mode),
         Variant("naive-hooks", attach_naive_hooks),
     )
