@@ -37,7 +37,6 @@ import random
 import re
 import shutil
 import socket
-import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -53,7 +52,8 @@ MANIFEST = "manifest.json"
 REPLAY = "replay.json"
 VERDICTS = ("reproducible", "not_reproducible")
 
-STATE, BATCHES, RNG, EVENTS, ENVIRONMENT = "state.pt", "batches.pt", "rng.pt", "events.json", "environment.json"
+STATE, BATCHES, RNG = "state.pt", "batches.pt", "rng.pt"
+EVENTS, ENVIRONMENT = "events.json", "environment.json"
 _RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT)
 _REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch
 
@@ -304,10 +304,11 @@ def _write_torch(path: str, obj: Any) -> dict[str, Any]:
 def incident_id(job_id: str | None, step: int) -> str:
     """A folder name every rank can compute: the sanitised job id (TORCHELASTIC_RUN_ID) and the step.
 
-    Characters outside [A-Za-z0-9._-] become "_", leading dots and dashes go (no hidden
-    folders, nothing that reads as an option), and the id is cut to 64 characters.
+    Runs of characters outside [A-Za-z0-9._-] become "_", and dots, dashes and underscores go
+    from both ends (no hidden folder, nothing that reads as an option, no ".."); the id is cut
+    to 64 characters.
     """
-    job = re.sub(r"[^A-Za-z0-9._-]+", "_", job_id or "").lstrip(".-")[:_MAX_ID_LENGTH]
+    job = re.sub(r"[^A-Za-z0-9._-]+", "_", job_id or "").strip("._-")[:_MAX_ID_LENGTH].rstrip("._-")
     return f"{job}-step{step}" if job else f"step{step}"
 
 
@@ -320,7 +321,8 @@ def new_incident_dir(root: str, incident_id: str) -> str:
     both get the same name.
     """
     if not incident_id or incident_id in (".", "..") or os.sep in incident_id or incident_id.startswith("."):
-        raise IncidentError(os.path.join(root, incident_id), "not a safe folder name; build it with incident_id()")
+        raise IncidentError(os.path.join(root, incident_id),
+                            "not a safe folder name, so nothing was created; build it with incident_id()")
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as exc:
@@ -344,7 +346,8 @@ def new_incident_dir(root: str, incident_id: str) -> str:
 
 def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], optimizer_state: Any = None,
                extra_states: Mapping[str, Any] | None = None, batches: list[Any] | None = None,
-               rng: Mapping[str, Any], events: Iterable[Event], environment: Mapping[str, Any]) -> dict[str, Any]:
+               rng: Mapping[str, Any], events: Iterable[Event],
+               environment: Mapping[str, Any]) -> dict[str, Any]:
     """Writes this rank's part of the incident as ``<incident_dir>/rank<rank>``, all of it or nothing.
 
     ``batches`` (already ``to_cpu``'ed) is None when the batch must not be written to disk;
@@ -357,8 +360,8 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
     final = os.path.join(incident_dir, f"rank{rank}")
     tmp = os.path.join(incident_dir, f".rank{rank}.tmp-{os.getpid()}")
     if os.path.lexists(final):
-        raise IncidentError(final, "already exists; an incident is never overwritten, "
-                                   "so this rank's capture was not written (pick a new folder with new_incident_dir)")
+        raise IncidentError(final, "already exists; an incident is never overwritten, so this rank's "
+                                   "capture was not written (pick a new folder with new_incident_dir)")
     contents: dict[str, Callable[[str], dict[str, Any]]] = {
         STATE: lambda p: _write_torch(p, {"model": model_state, "optimizer": optimizer_state,
                                           "extra": dict(extra_states or {})}),
@@ -382,8 +385,8 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception):
-            raise IncidentError(final, f"could not be written ({type(exc).__name__}: {exc}); nothing of it was "
-                                       "left behind and training state in memory is untouched") from exc
+            raise IncidentError(final, f"could not be written ({type(exc).__name__}: {exc}); nothing of it "
+                                       "was left behind and training state in memory is untouched") from exc
         raise
     return {"rank": rank, "files": files}
 
@@ -425,8 +428,9 @@ def finalize(incident_dir: str, *, world_size: int, step: int, first_event: Even
         # every reader checks the sha256 that each rank computed from its own file.
         _check_manifest(incident_dir, manifest, hashes=False)
     except IncidentError as exc:
-        raise IncidentError(exc.path, f"{exc.reason}; no manifest was written, so the incident stays incomplete "
-                                      "(is NANGUARD_DIR on a filesystem every node shares?)") from exc
+        reason = (f"{exc.reason}; no manifest was written, so the incident stays incomplete "
+                  "(is NANGUARD_DIR on a filesystem every node shares?)")
+        raise IncidentError(exc.path, reason) from exc
     _write_json(manifest_path, manifest)
     return manifest_path
 
@@ -444,7 +448,8 @@ def record_replay(incident_dir: str, report: Mapping[str, Any], *, verify: bool 
     path = os.path.join(incident.path, REPLAY)
     if not isinstance(report, Mapping) or report.get("verdict") not in VERDICTS:
         verdict = report.get("verdict") if isinstance(report, Mapping) else None
-        raise IncidentError(path, f"not written: the report's verdict {verdict!r} is not one of {', '.join(VERDICTS)}")
+        raise IncidentError(path, f"not written: the report's verdict {verdict!r} is not one of "
+                                  f"{', '.join(VERDICTS)}")
     record = _write_json(path, report)
     manifest = dict(incident.manifest)
     manifest["replay"] = {"file": REPLAY, **record, "verdict": report["verdict"]}
@@ -455,6 +460,9 @@ def record_replay(incident_dir: str, report: Mapping[str, Any], *, verify: bool 
 # --- reading an incident ----------------------------------------------------------------------
 
 
+_TAMPERED = "tampered or truncated; nothing was loaded (copy the incident again from where it was written)"
+
+
 def _verify_file(incident_dir: str, relpath: str, expected: Mapping[str, Any], *, hashes: bool) -> None:
     path = os.path.join(incident_dir, relpath)
     if not os.path.isfile(path):
@@ -462,14 +470,12 @@ def _verify_file(incident_dir: str, relpath: str, expected: Mapping[str, Any], *
                                   "was copied in part); copy the whole folder again")
     size = os.path.getsize(path)
     if size != expected["size"]:
-        raise IncidentError(path, f"is {size} bytes, the manifest says {expected['size']}: tampered or "
-                                  "truncated; nothing was loaded (copy the incident again from where it was written)")
+        raise IncidentError(path, f"is {size} bytes, the manifest says {expected['size']}: {_TAMPERED}")
     if hashes:
         actual = _digest(path)["sha256"]
         if actual != expected["sha256"]:
-            raise IncidentError(path, f"sha256 {actual[:12]}... differs from the manifest's {expected['sha256'][:12]}...: "
-                                      "tampered or truncated; nothing was loaded (copy the incident again from where "
-                                      "it was written)")
+            raise IncidentError(path, f"sha256 {actual[:12]}... differs from the manifest's "
+                                      f"{expected['sha256'][:12]}...: {_TAMPERED}")
 
 
 def _check_record(manifest_path: str, record: Any, rank: int, capture_batch: bool) -> dict[str, Any]:
@@ -512,7 +518,8 @@ def _check_manifest(incident_dir: str, manifest: Any, *, hashes: bool) -> None:
              "capture_batch": bool, "sharded": (str, type(None)), "replay": (dict, type(None))}
     for key, kind in types.items():
         if not isinstance(manifest.get(key), kind) or (kind is int and isinstance(manifest[key], bool)):
-            raise IncidentError(path, f"field {key!r} is missing or has the wrong type; the manifest is damaged")
+            raise IncidentError(path, f"field {key!r} is missing or has the wrong type; "
+                                      "the manifest is damaged")
     world_size = manifest["world_size"]
     ranks = [r.get("rank") if isinstance(r, Mapping) else None for r in manifest["ranks"]]
     if world_size < 1 or ranks != list(range(world_size)):
@@ -522,7 +529,8 @@ def _check_manifest(incident_dir: str, manifest: Any, *, hashes: bool) -> None:
         Event.from_dict(manifest["first_event"])
     except ProtocolError as exc:
         raise IncidentError(path, f"first_event is not a valid event ({exc})") from exc
-    records = [_check_record(path, record, k, manifest["capture_batch"]) for k, record in enumerate(manifest["ranks"])]
+    records = [_check_record(path, record, k, manifest["capture_batch"])
+               for k, record in enumerate(manifest["ranks"])]
     replay = manifest["replay"]
     if replay is not None and (replay.get("file") != REPLAY or replay.get("verdict") not in VERDICTS):
         raise IncidentError(path, "field 'replay' does not point at replay.json with a known verdict; "
@@ -629,12 +637,13 @@ def read_incident(incident_dir: str, *, verify: bool = True) -> Incident:
     path = os.path.abspath(incident_dir)
     if not os.path.isdir(path):
         what = "not a folder" if os.path.exists(path) else "no such incident folder"
-        raise IncidentError(path, f"{what}; incidents are written under NANGUARD_DIR (default ./nanguard-incidents)")
+        raise IncidentError(path, f"{what}; incidents are written under NANGUARD_DIR "
+                                  "(default ./nanguard-incidents)")
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         found = ", ".join(sorted(os.listdir(path))) or "nothing"
-        raise IncidentError(manifest_path, "incomplete: no manifest.json; the capture did not finish (a crash or "
-                                           f"kill during the write?); the folder holds: {found}")
+        raise IncidentError(manifest_path, "incomplete: no manifest.json; the capture did not finish "
+                                           f"(a crash or kill during the write?); the folder holds: {found}")
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)

@@ -274,9 +274,15 @@ class Detector:
             zero = self._zeros[device] = torch.zeros((), device=device)
         return zero
 
-    def _is_seen(self, tensor: torch.Tensor) -> bool:
-        entry = self._seen.get(id(tensor))
-        return entry is not None and entry[0]() is tensor and entry[1] == tensor._version
+    def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
+        seen = self._seen
+        out = []
+        for tensor in tensors:
+            entry = seen.get(id(tensor))
+            if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+                out.append(tensor)
+        return out
 
     def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -284,16 +290,7 @@ class Detector:
 
     def _make_hook(self, slot: int, mode: int, leaf: bool):
         is_compiling = torch.compiler.is_compiling
-        seen = self._seen
-        add = self._add
-
-        def unchecked(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            out = []
-            for tensor in tensors:
-                entry = seen.get(id(tensor))
-                if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
-                    out.append(tensor)
-            return out
+        add, unchecked = self._add, self._unchecked
 
         def hook(module, args, output):
             if is_compiling():
@@ -334,9 +331,8 @@ class Detector:
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         self._spans.append((len(self._meta), root_slot, micro_batch))
-        for tensor in floating_tensors(args) + floating_tensors(kwargs):
-            if not self._is_seen(tensor):
-                self._add(tensor, BATCH, root_slot, lazy=True)
+        for tensor in self._unchecked(floating_tensors(args) + floating_tensors(kwargs)):
+            self._add(tensor, BATCH, root_slot, lazy=True)
 
     def slot_of(self, module: nn.Module) -> int:
         return self._modules[module]

@@ -16,11 +16,12 @@ from .events import Event
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def _role(event: Event) -> str:
@@ -29,7 +30,7 @@ def _role(event: Event) -> str:
         return "unknown (its inputs were not checked)"
     if event.input_nonfinite:
         return "propagator: its inputs were already non-finite; the cause lies upstream"
-    return "producer: its inputs were finite and its output is not; the cause is in this layer"
+    return "producer: its inputs were finite and its output is not; the value was made here"
 
 
 def as_json(incident: Incident) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def summary(incident: Incident) -> str:
     ]
     replay = data["replay"]
     if replay is None:
-        lines.append("replay       not run yet (run the same script with NANGUARD_REPLAY=" + data["path"] + ")")
+        lines.append(f"replay       not run yet (run the same script with NANGUARD_REPLAY={data['path']})")
     else:
         text = f"replay       {replay.get('verdict')}"
         replayed = replay.get("first_event")
@@ -85,11 +86,12 @@ def summary(incident: Incident) -> str:
     if data["sharded"]:
         lines.append(f"sharded      {data['sharded']}")
     if not data["capture_batch"]:
-        lines.append("batches      not captured (capture_batch=False): a replay needs the data from elsewhere")
+        lines.append("batches      not captured (capture_batch=False): a replay needs the data again")
     for key, value in data["notes"].items():
         lines.append(f"note         {key}: {value}")
     for r in data["ranks"]:
-        files = ", ".join(f"{path.split('/', 1)[1]} {_size(entry['size'])}" for path, entry in r["files"].items())
+        files = ", ".join(f"{path.split('/', 1)[1]} {_size(entry['size'])}"
+                          for path, entry in r["files"].items())
         lines.append(f"rank {r['rank']:<7} {files}")
     return "\n".join(lines)
 
