@@ -77,6 +77,8 @@ class Guard:
         """per-parameter gradient norms of the last clean step, with ``param_grad_norms=True``"""
         self.skipped_steps = 0
         self._step = 0
+        self._index = 0  # the 0-based step that events happen in
+        self._primary: weakref.ref | None = None
         self._events = EventLog(settings.max_events)
         self._on_stop = on_stop
         self._closed = False
@@ -107,8 +109,9 @@ class Guard:
     # ------------------------------------------------------------------ public surface
     @property
     def step(self) -> int:
-        """``optimizer.step()`` calls seen, a refused one included; between steps, the 0-based
-        index of the next step (events carry the index of the step they happened in)."""
+        """Optimizer steps seen, a refused one included (with several optimizers, the steps of
+        the first one to step); between steps, the 0-based index of the next step. Events carry
+        the index of the step they happened in."""
         return self._step
 
     @property
@@ -195,10 +198,17 @@ class Guard:
         if self._closed:
             return
         self._optimizer_seen = True
+        if self._primary is None:
+            self._primary = weakref.ref(optimizer)
+        primary = self._primary() is optimizer
+        # With several optimizers, the first one to step counts the steps; another one stepping
+        # after it in the same iteration (its probes already read) belongs to that same step.
+        self._index = self._step if primary or self._detector.pending else max(self._step - 1, 0)
         try:
             self._decide(optimizer, collective=True)
         finally:
-            self._step += 1
+            self._step += primary
+            self._index = self._step
 
     def _settle_early(self) -> None:
         """Too many probes without a step (a long eval loop): read them now, locally."""
@@ -316,7 +326,7 @@ class Guard:
             " modules that ran after it were finite, so it was born in the backward pass")})
 
     def _event(self, fields: dict[str, Any]) -> Event:
-        return Event(rank=_rank(), step=self._step, host=self._host, time=time.time(), **fields)
+        return Event(rank=_rank(), step=self._index, host=self._host, time=time.time(), **fields)
 
     def _act(self, event: Event, optimizer: torch.optim.Optimizer | None) -> None:
         policy = self.settings.on_nan
@@ -347,8 +357,8 @@ class Guard:
         reason = self._stop_request or "remote"
         self._stop_request = None
         error = StopRequested(
-            f"stop requested ({reason}) at step {self._step}; stopping all ranks before the"
-            " optimizer step", step=self._step, reason=reason)
+            f"stop requested ({reason}) at step {self._index}; stopping all ranks before the"
+            " optimizer step", step=self._index, reason=reason)
         if self._on_stop is not None:
             self._on_stop(error)
         raise error

@@ -456,3 +456,23 @@ def test_ddp_world_of_one_strips_the_wrapper_name(tmp_path):
         assert info.value.event.layer == "2"
     finally:
         dist.destroy_process_group()
+
+
+def test_two_optimizers_count_one_step_per_iteration():
+    torch.manual_seed(0)
+    model = make_mlp()
+    body = torch.optim.SGD(list(model[:3].parameters()), lr=0.1)
+    head = torch.optim.Adam(model[4].parameters())
+    with nanguard.init(model, [body, head]) as guard:
+        for step in range(4):
+            model[2].armed = step == 3
+            loss = nn.functional.cross_entropy(model(torch.randn(5, 8)), torch.randint(0, 4, (5,)))
+            loss.backward()
+            try:
+                body.step()
+                head.step()
+            except nanguard.NonFiniteError as err:
+                assert (step, err.event.step, err.event.layer) == (3, 3, "2")
+            body.zero_grad()
+            head.zero_grad()
+        assert guard.step == 4
