@@ -19,6 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=40, help="training steps to run")
     demo.add_argument("--bad-step", type=int, default=25, help="step at which a layer produces a NaN")
     demo.set_defaults(func=_demo)
+    # listed here for --help; its own parser (nanguard/inspect.py) reads its arguments
+    commands.add_parser("inspect", add_help=False,
+                        help="summarise an incident folder: nanguard inspect DIR [--json]")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["inspect"]:
+        from .inspect import main as inspect_main
+
+        return inspect_main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

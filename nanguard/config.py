@@ -37,6 +37,10 @@ def _parse_optional_float(text: str) -> float | None:
     return None if text.strip().lower() in ("", "none", "off") else float(text)
 
 
+def _parse_optional_bool(text: str) -> bool | None:
+    return None if text.strip().lower() in ("", "none", "auto") else _parse_bool(text)
+
+
 def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
@@ -56,6 +60,11 @@ class Settings:
     token: str | None = _setting(None, _parse_optional_str, "shared secret for coordinator messages")
     replay: str | None = _setting(None, _parse_optional_str, "incident folder to replay")
     disable: bool = _setting(False, _parse_bool, "install nothing; init returns an inert guard")
+    capture: bool | None = _setting(
+        None, _parse_optional_bool,
+        "write an incident folder when a step is stopped: None on raise, True on skip too, False never"
+    )
+    capture_batch: bool = _setting(True, _parse_bool, "write the step's input batches into incidents")
     max_events: int = _setting(256, int, "size of the in-memory ring of recent events")
     max_pending: int = _setting(
         65536, int, "checks held between two decisions before they are settled early (bounds memory)"
@@ -103,7 +112,9 @@ class Settings:
         if not (isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1
                 and math.isfinite(self.spike_factor)):
             raise ConfigError(f"spike_factor={self.spike_factor!r} must be a number above 1")
-        for name in ("disable", "param_grad_norms"):
+        if self.capture not in (None, True, False):
+            raise ConfigError(f"capture={self.capture!r} must be None, True or False")
+        for name in ("disable", "param_grad_norms", "capture_batch"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("skip_types", "skip_modules"):

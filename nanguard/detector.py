@@ -137,10 +137,15 @@ class Detector:
     """Installs the hooks and keeps the probes of the current step."""
 
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
-                 detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None):
+                 detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
+                 on_step_start: Callable[[], None] | None = None, keep_batches: bool = False):
         self._skip_types = tuple(skip_types)
         self._skip_modules = tuple(skip_modules)
         self.on_root_end = on_root_end
+        self.on_step_start = on_step_start
+        self.keep_batches = keep_batches
+        self.batches: list[tuple[int, tuple, dict]] = []
+        """(root slot, args, kwargs) of every root forward of the step: references, no copies"""
         self._detail_bytes = detail_bytes
         self._kept_bytes = 0
         self.slots: list[_Slot] = []
@@ -328,9 +333,13 @@ class Detector:
 
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
+        if not self._spans and self.on_step_start is not None:
+            self.on_step_start()
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         self._spans.append((len(self._meta), root_slot, micro_batch))
+        if self.keep_batches:
+            self.batches.append((root_slot, args, kwargs))
         for tensor in self._unchecked(floating_tensors(args) + floating_tensors(kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
@@ -369,6 +378,7 @@ class Detector:
         self._vals.clear()
         self._meta.clear()
         self._bucket_vals.clear()
+        self.batches.clear()
         self._spans.clear()
         self._seen.clear()
         self._kept_bytes = 0

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import forensics
+from . import capture, forensics
 from .config import Settings
 from .detector import Detector, grad_norms, gradients, stack
+from .capture import IncidentError
 from .errors import GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
 
@@ -67,7 +68,8 @@ class Guard:
     """The per-process detector for one model (or, from a bare ``init()``, every model)."""
 
     def __init__(self, model: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer],
-                 settings: Settings, on_stop: Callable[[Exception], Any] | None = None):
+                 settings: Settings, on_stop: Callable[[Exception], Any] | None = None,
+                 states: dict[str, Any] | None = None):
         self.settings = settings
         self.incident: str | None = None
         """the last captured incident directory, or None"""
@@ -91,9 +93,15 @@ class Guard:
         self._clean_steps = 0
         self._stop_request: str | None = None
         self._host = socket.gethostname()
+        self._states = dict(states or {})  # name -> object with state_dict(): scaler, scheduler
+        self._roots: list[weakref.ref] = []
+        self._rng: dict[str, Any] | None = None
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
                                   detail_bytes=int(settings.detail_mb * 2**20),
-                                  on_root_end=self._on_root_end)
+                                  on_root_end=self._on_root_end,
+                                  on_step_start=self._on_step_start if settings.capture is not False
+                                  else None,
+                                  keep_batches=settings.capture is not False and settings.capture_batch)
         if settings.disable:
             return
         if model is not None:
@@ -175,6 +183,7 @@ class Guard:
             for module in root.modules():
                 _owners[module] = self
                 self._modules.append(weakref.ref(module))
+        self._roots.append(weakref.ref(root))
         return self._detector.attach(root, prefix)
 
     def _discover(self, module: nn.Module, args: tuple) -> None:
@@ -188,6 +197,10 @@ class Guard:
         self._detector.root_pre(self._detector.slot_of(module), args, {})
 
     # ------------------------------------------------------------------ decisions
+    def _on_step_start(self) -> None:
+        # the RNG as it was when the step began, for the capture (a few small host copies)
+        self._rng = capture.rng_snapshot()
+
     def _on_root_end(self) -> None:
         if not self._optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
             self._decide(None, collective=False)  # eval/inference: nothing steps, so decide now
@@ -265,8 +278,10 @@ class Guard:
         if bad:
             event = self._job_first_event(probe_values, owners, grads, dist, local_grads_bad)
             if event is not None:
-                self._detector.reset()
-                self._act(event, optimizer)
+                try:
+                    self._act(event, optimizer)  # the step's batches are still held for the capture
+                finally:
+                    self._detector.reset()
                 return
         self._detector.reset()
         if stop:
@@ -343,6 +358,12 @@ class Guard:
         message = f"{event}; {action}"
         if event.rank == _rank():
             log.error("nanguard: %s", message)
+        if policy == "raise" and self.settings.capture is not False or (
+                policy == "skip" and self.settings.capture):
+            self.incident = self._capture(event, optimizer)
+            if self.incident is not None and event.rank == _rank():
+                log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",
+                          event.step, self.incident, self.incident)
         if policy == "skip" and optimizer is not None:
             for param in _params(optimizer):
                 param.grad = None  # the optimizer leaves parameters without gradients untouched
@@ -352,6 +373,84 @@ class Guard:
             if self._on_stop is not None:
                 self._on_stop(error)
             raise error
+
+    def _capture(self, event: Event, optimizer: torch.optim.Optimizer | None) -> str | None:
+        """Every rank writes its part of one incident folder; rank 0 writes the manifest last.
+
+        A failed write is reported and leaves no complete-looking folder; it never stops the
+        error from being raised.
+        """
+        dist = _distributed()
+        rank = _rank()
+        world = dist.get_world_size() if dist is not None else 1
+        path = None
+        if rank == 0:
+            try:
+                name = capture.incident_id(os.environ.get("TORCHELASTIC_RUN_ID"), event.step)
+                path = capture.new_incident_dir(self.settings.dir, name)
+            except (OSError, IncidentError) as exc:
+                log.error("nanguard: no incident written: cannot create a folder under %s (%s)",
+                          self.settings.dir, exc)
+        if dist is not None:
+            box = [path]
+            dist.broadcast_object_list(box, src=0)
+            path = box[0]
+        if path is None:
+            return None
+        model = self._model_to_save()
+        record = None
+        try:
+            batches = None
+            if self.settings.capture_batch:
+                root = self._detector.slot_of(model) if model is not None and self._detector.owns(
+                    model) else None
+                batches = capture.to_cpu([{"args": a, "kwargs": k} for slot, a, k in
+                                          self._detector.batches if root is None or slot == root])
+            record = capture.write_rank(
+                path, rank,
+                model_state=_unwrap(model).state_dict() if model is not None else {},
+                optimizer_state=optimizer.state_dict() if optimizer is not None else None,
+                extra_states={name: obj.state_dict() for name, obj in self._states.items()},
+                batches=batches,
+                rng=self._rng if self._rng is not None else capture.rng_snapshot(),
+                events=self.events,
+                environment=capture.environment_record(rank=rank, world_size=world,
+                                                       settings=self._settings_record()))
+        except IncidentError as exc:
+            log.error("nanguard: rank %d could not write its part of the incident: %s", rank, exc)
+        records: list[Any] = [record]
+        if dist is not None:
+            records = [None] * world
+            dist.all_gather_object(records, record)
+        complete = all(r is not None for r in records)
+        if rank == 0 and complete:
+            try:
+                capture.finalize(path, world_size=world, step=event.step, first_event=event,
+                                 rank_records=records, capture_batch=self.settings.capture_batch,
+                                 sharded=_sharding(model))
+            except IncidentError as exc:
+                log.error("nanguard: the incident could not be completed: %s", exc)
+                complete = False
+        if dist is not None:
+            box = [complete]
+            dist.broadcast_object_list(box, src=0)
+            complete = box[0]
+        return path if complete else None
+
+    def _model_to_save(self) -> nn.Module | None:
+        roots = [r() for r in self._roots]
+        return next((m for m in roots if m is not None and next(m.parameters(), None) is not None),
+                    None)
+
+    def _settings_record(self) -> dict[str, Any]:
+        record = {}
+        for name in self.settings.__dataclass_fields__:
+            if name == "token":
+                continue  # a secret never goes to disk
+            value = getattr(self.settings, name)
+            record[name] = [v if isinstance(v, str) else v.__name__ for v in value] if isinstance(
+                value, tuple) else value
+        return record
 
     def _stop(self) -> None:
         reason = self._stop_request or "remote"
@@ -400,18 +499,34 @@ class Guard:
         return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / DataParallel / torch.compile wrappers (plain state names)."""
+    while type(model).__name__ in ("DistributedDataParallel", "DataParallel", "OptimizedModule"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def _sharding(model: nn.Module | None) -> str | None:
+    if model is not None and any(hasattr(p, "to_local") for p in model.parameters()):
+        return ("fsdp2: each rank's state.pt holds its own shards (DTensors); load rank k's file on"
+                " rank k of a job with the same world size and the same fully_shard layout")
+    return None
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def init(model: nn.Module | None = None,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-         *, on_stop: Callable[[Exception], Any] | None = None, **overrides: Any) -> Guard:
+         *, on_stop: Callable[[Exception], Any] | None = None, scaler: Any = None,
+         scheduler: Any = None, **overrides: Any) -> Guard:
     """Guard ``model`` and ``optimizer``; with no model, every module and optimizer of the process.
 
     Settings come from ``overrides``, else ``NANGUARD_*`` variables, else defaults (see
     ``nanguard.config.Settings``). ``on_stop(error)`` is called on every rank at the common
     stop step, before the error is raised, for a checkpoint in the team's own format.
+    ``scaler`` (a GradScaler) and ``scheduler`` (an LR scheduler) are saved in incidents too.
     """
     global _global_guard
     settings = Settings.resolve(overrides)
@@ -430,10 +545,21 @@ def init(model: nn.Module | None = None,
                         f" them, or None); got {type(optimizer).__name__}")
     if on_stop is not None and not callable(on_stop):
         raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
+    states = {name: obj for name, obj in (("scaler", scaler), ("scheduler", scheduler))
+              if obj is not None}
+    for name, obj in states.items():
+        if not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"nanguard.init: {name} must have a state_dict() method (a GradScaler,"
+                            f" an LR scheduler); got {type(obj).__name__}")
     if model is not None and next(model.parameters(), None) is None:
         raise NanguardError(
             f"nanguard.init: the model ({type(model).__name__}) has no parameters, so there is"
             " nothing to protect; pass the module you train (or call nanguard.init() with no model)")
+    if settings.replay is not None:
+        raise NanguardError(
+            f"NANGUARD_REPLAY={settings.replay!r}: replaying an incident is not available in this"
+            " version of nanguard yet; `nanguard inspect DIR` reads it. Unset NANGUARD_REPLAY to"
+            " train normally")
     if settings.disable:
         return Guard(None, [], settings, on_stop)
     if model is None:
@@ -441,8 +567,8 @@ def init(model: nn.Module | None = None,
             if _global_guard is not None and not _global_guard.closed:
                 raise NanguardError("nanguard.init(): a process-wide guard is already open; call"
                                     " close() on it first (hooks are never installed twice)")
-        guard = Guard(None, optimizers, settings, on_stop)
+        guard = Guard(None, optimizers, settings, on_stop, states)
         with _registry_lock:
             _global_guard = guard
         return guard
-    return Guard(model, optimizers, settings, on_stop)
+    return Guard(model, optimizers, settings, on_stop, states)

@@ -63,6 +63,16 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
     assert event["has_nan"] is True
     # only the producing rank logs the report
     assert job.output.count(f"nanguard: non-finite output in {FAULT_LAYER}") == 1
+    # every rank wrote its part of one incident, which reads back whole
+    from nanguard import capture
+
+    incidents = {r["error"]["incident"] for r in job.ok(world=2).values()}
+    assert len(incidents) == 1 and None not in incidents
+    incident = capture.read_incident(incidents.pop())
+    assert (incident.step, incident.world_size) == (5, 2)
+    assert incident.first_event.to_dict() == event
+    for rank in (0, 1):
+        assert incident.rank_batches(rank) and incident.rank_state(rank)["model"]
 
 
 @pytest.mark.timeout(180)

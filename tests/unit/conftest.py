@@ -28,6 +28,13 @@ def make_mlp(width: int = 16):
     return nn.Sequential(nn.Linear(8, width), nn.ReLU(), Fault(width), nn.ReLU(), nn.Linear(width, 4))
 
 
+@pytest.fixture(autouse=True)
+def incidents_in_tmp(tmp_path, monkeypatch):
+    """Incidents of every test go to its own temporary folder, never into the checkout."""
+    monkeypatch.setenv("NANGUARD_DIR", str(tmp_path / "incidents"))
+    return tmp_path / "incidents"
+
+
 @pytest.fixture
 def mlp():
     model = make_mlp()

@@ -202,3 +202,27 @@ def test_bare_init_with_a_compiled_model():
         with pytest.raises(nanguard.NonFiniteError) as info:
             train_step(compiled, optimizer, guard)
     assert (info.value.event.layer, info.value.event.step) == ("4", 1)
+
+
+def test_replay_is_refused_clearly_until_it_exists(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANGUARD_REPLAY", str(tmp_path))
+    with pytest.raises(nanguard.NanguardError, match="NANGUARD_REPLAY.*not available"):
+        nanguard.init(make_mlp())
+
+
+def test_cli_inspect_reads_a_captured_incident(tmp_path, capsys):
+    import json
+
+    from nanguard.cli import main
+
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, dir=str(tmp_path)) as guard:
+        model[2].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    capsys.readouterr()
+    assert main(["inspect", info.value.incident, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step"] == 0 and report["first_event"]["layer"] == "2"
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2

@@ -476,3 +476,58 @@ def test_two_optimizers_count_one_step_per_iteration():
             body.zero_grad()
             head.zero_grad()
         assert guard.step == 4
+
+
+def test_raise_captures_the_state_from_before_the_step(incidents_in_tmp):
+    from nanguard import capture, inspect
+
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    with nanguard.init(model, optimizer, scheduler=scheduler) as guard:
+        for step in range(3):
+            train_step(model, optimizer, guard)
+            scheduler.step()
+        torch.manual_seed(1234)
+        x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+        expected_noise = torch.rand(3)  # what the step's first random draw would be
+        torch.manual_seed(1234)
+        x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))  # drawn before the step begins
+        model[2].armed = True
+        saved = snapshot(model, optimizer)
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard, x=x, y=y)
+    err = info.value
+    assert err.incident is not None and err.incident == guard.incident
+    assert err.incident.startswith(str(incidents_in_tmp))
+    incident = capture.read_incident(err.incident)
+    assert incident.step == 3 and incident.world_size == 1
+    assert incident.first_event.layer == "2"
+    state = incident.rank_state(0)
+    for name, value in saved[0].items():
+        assert torch.equal(state["model"][name], value)
+    assert state["optimizer"]["state"].keys() == optimizer.state_dict()["state"].keys()
+    assert state["extra"]["scheduler"]["last_epoch"] == 3
+    (batch,) = incident.rank_batches(0)
+    assert torch.equal(batch["args"][0], x)
+    capture.rng_restore(incident.rank_rng(0))
+    assert torch.equal(torch.rand(3), expected_noise)
+    report = inspect.as_json(incident)
+    assert report["first_event"]["layer"] == "2" and report["replay"] is None
+
+
+def test_capture_can_be_turned_off_and_batches_left_out(incidents_in_tmp):
+    from nanguard import capture
+
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for settings, expect in (({"capture": False}, None), ({"capture_batch": False}, "no batch")):
+        with nanguard.init(model, optimizer, **settings) as guard:
+            model[2].armed = True
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                train_step(model, optimizer, guard)
+            model[2].armed = False
+        if expect is None:
+            assert info.value.incident is None
+        else:
+            assert capture.read_incident(info.value.incident).rank_batches(0) is None

@@ -207,6 +207,7 @@ def run(args: argparse.Namespace, wrap) -> int:
             "loop_step": step,
             "guard_step": guard.step,
             "event": err.event.to_dict(),
+            "incident": err.incident,
             "message": str(err),
             "weights_before": before["weights"],
             "weights_after": weights_digest(model),
