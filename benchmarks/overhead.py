@@ -200,6 +200,7 @@ VARIANTS = {
         Variant("nanguard+param-grads", attach_nanguard(param_grad_norms=True),
                 needs_nanguard=True),
         Variant("nanguard detail_mb=0", attach_nanguard(detail_mb=0), needs_nanguard=True),
+        Variant("nanguard capture=False", attach_nanguard(capture=False), needs_nanguard=True),
         Variant("detect_anomaly", step_context=anomaly_mode),
         Variant("naive-hooks", attach_naive_hooks),
     )
