@@ -137,15 +137,15 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def rng_snapshot() -> dict[str, Any]:
+def rng_snapshot(numpy: bool = True) -> dict[str, Any]:
     """Every RNG state of this process: python, numpy (if the process imported it), torch CPU,
-    each CUDA device in use. Taken at the start of every step, so only raw copies here (about
-    25 us, no device sync); ``write_rank`` turns it into what ``torch.load(weights_only=True)``
-    reads back."""
-    numpy = sys.modules.get("numpy")  # a process that never imported numpy drew nothing from it
+    each CUDA device in use. Only raw copies here, no device sync; ``write_rank`` turns them into
+    what ``torch.load(weights_only=True)`` reads back. Reading numpy's state costs about 80 us,
+    so the per-step snapshot leaves it out (``numpy=False``) and the capture adds it."""
+    module = sys.modules.get("numpy") if numpy else None  # never imported: nothing drawn from it
     return {
         "python": random.getstate(),
-        "numpy": numpy.random.get_state(legacy=False) if numpy is not None else None,
+        "numpy": module.random.get_state(legacy=False) if module is not None else None,
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if _cuda_in_use() else [],
     }
