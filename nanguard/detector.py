@@ -426,8 +426,8 @@ class Detector:
         fields: dict[str, Any] = {"micro_batch": micro_batch, **stats}
         unexact = "bad_count" not in stats
         if unexact:
-            fields["message"] = ("element detail was not kept on the fast path"
-                                 " (the tensor was freed); replay the step for it")
+            fields["message"] = ("no element detail: the tensor was freed and lay beyond the"
+                                 " step's detail_mb budget (raise detail_mb to keep it)")
         if role == CHECK:
             name = next(n for n, i in self._check_names.items() if i == slot)
             return fields | {"kind": "loss" if name == "loss" else "check", "layer": name,
