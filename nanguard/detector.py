@@ -75,24 +75,13 @@ def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view)."""
-    if type(tensor) is not torch.Tensor:
-        to_local = getattr(tensor, "to_local", None)
-        if to_local is not None:
-            tensor = to_local()
-    if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    return tensor.detach() if tensor.requires_grad else tensor
-
-
 def probe(tensor: torch.Tensor) -> torch.Tensor:
     """A 0-d tensor that is non-finite when ``tensor`` has a NaN or an Inf (no host sync).
 
     Half-precision tensors are summed in float32. A float32 sum can also overflow on huge
     finite values (|sum| > 3.4e38): ``first_bad`` confirms such a case exactly when it can.
     """
-    return _sum(plain(tensor))
+    return _sum(forensics.plain(tensor))
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,7 +119,6 @@ class _Slot:
     name: str
     module_type: str
     module: weakref.ref
-    root: bool = False
 
 
 class Detector:
@@ -199,7 +187,6 @@ class Detector:
             if type(module).__name__ == "DistributedDataParallel":
                 self._watch_buckets(module)
         root_slot = self._modules[root]
-        self.slots[root_slot].root = True
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))
         self._handles.append(root.register_forward_hook(
@@ -257,7 +244,7 @@ class Detector:
     def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
-        local = plain(tensor)
+        local = forensics.plain(tensor)
         kept: Any = None
         if self._kept_bytes < self._detail_bytes:
             # Keep the step's first tensors (up to a byte budget) so a bad one can be described
@@ -384,12 +371,10 @@ class Detector:
         self._kept_bytes = 0
         self._forwards.clear()
 
-    def micro_batch_of(self, index: int) -> tuple[int | None, int | None]:
+    def micro_batch_of(self, index: int) -> int | None:
+        """Which forward of its root (within the step) the probe ``index`` was made in."""
         position = bisect_right(self._spans, (index, math.inf, math.inf)) - 1
-        if position < 0:
-            return None, None
-        _, root_slot, micro_batch = self._spans[position]
-        return root_slot, micro_batch
+        return self._spans[position][2] if position >= 0 else None
 
     def first_bad(self, values: list[float]) -> dict[str, Any] | None:
         """Event fields of the step's first non-finite probe, confirmed exactly; slow.
@@ -422,7 +407,7 @@ class Detector:
 
     def _explain(self, index: int, role: int, slot: int, stats: dict[str, Any],
                  values: list[float]) -> dict[str, Any]:
-        micro_batch = self.micro_batch_of(index)[1]
+        micro_batch = self.micro_batch_of(index)
         fields: dict[str, Any] = {"micro_batch": micro_batch, **stats}
         unexact = "bad_count" not in stats
         if unexact:
@@ -511,12 +496,10 @@ def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[
         grad = param.grad
         if grad is None:
             continue
-        if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
-            grad = grad.to_local()
         if grad.is_sparse:
             grad = grad.coalesce().values()
         owners.append(param)
-        grads.append(grad)
+        grads.append(forensics.plain(grad))
     return owners, grads
 
 

@@ -10,19 +10,23 @@ from typing import Any
 import torch
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
-    to_local = getattr(tensor, "to_local", None)  # DTensor shards (FSDP2, tensor parallel)
-    if to_local is not None:
-        tensor = to_local()
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view).
+
+    Cheap (no copy, no sync): the detector's hot path uses it too.
+    """
+    if type(tensor) is not torch.Tensor:
+        to_local = getattr(tensor, "to_local", None)  # DTensor shards (FSDP2, tensor parallel)
+        if to_local is not None:
+            tensor = to_local()
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
-    return tensor
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
     """Exact: True when every element is finite."""
-    tensor = _plain(tensor)
+    tensor = plain(tensor)
     if not (tensor.is_floating_point() and tensor.numel()):
         return True
     return bool(torch.isfinite(tensor).all())
@@ -34,7 +38,7 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
     ``shape`` overrides the reported shape (a complex tensor is inspected through its real view).
     """
     original = tensor
-    tensor = _plain(tensor)
+    tensor = plain(tensor)
     fields: dict[str, Any] = {
         "shape": tuple(shape if shape is not None else original.shape),
         "dtype": str(original.dtype).removeprefix("torch."),
