@@ -1,4 +1,8 @@
-"""nanguard: stop a distributed PyTorch job at the first NaN/Inf, before the bad update."""
+"""nanguard: stop a distributed PyTorch job at the first NaN/Inf, before the bad update.
+
+``init`` and ``Guard`` (which need torch) are imported on first use, so that the coordinator
+daemon and the operator commands, which share this package, never import torch.
+"""
 
 from .errors import (
     ConfigError,
@@ -9,7 +13,6 @@ from .errors import (
     StopRequested,
 )
 from .events import Event
-from .guard import Guard, init
 
 __all__ = [
     "ConfigError",
@@ -23,3 +26,11 @@ __all__ = [
     "init",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in ("Guard", "init"):
+        from . import guard
+
+        return getattr(guard, name)
+    raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
