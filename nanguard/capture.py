@@ -77,8 +77,13 @@ class IncidentError(NanguardError, ValueError):
 # --- the step's inputs and random state, held cheaply until an incident is written ----------
 
 
-def to_cpu(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A copy of ``obj`` whose tensors are detached CPU copies (same dtype), containers rebuilt.
+def to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are detached CPU copies (same dtype), containers rebuilt."""
+    return to_device(obj, torch.device("cpu"))
+
+
+def to_device(obj: Any, device: torch.device, _memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """A copy of ``obj`` whose tensors are detached copies on ``device`` (same dtype), containers rebuilt.
 
     Tuples (namedtuples too), lists, dicts (and other mutable mappings) and dataclass instances
     are rebuilt with the same type; anything else (numbers, strings, None, other objects) is
@@ -94,31 +99,31 @@ def to_cpu(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
             to_local = getattr(tensor, "to_local", None)
             if to_local is not None:
                 tensor = to_local()
-            memo[id(obj)] = tensor.to("cpu", copy=True)
+            memo[id(obj)] = tensor.to(device, copy=True)
         return memo[id(obj)]
     if isinstance(obj, tuple):
-        items = [to_cpu(item, memo) for item in obj]
+        items = [to_device(item, device, memo) for item in obj]
         if type(obj) is tuple:
             return tuple(items)
         if hasattr(type(obj), "_fields"):  # namedtuple: its constructor takes the fields one by one
             return type(obj)(*items)
         return type(obj)(items)  # torch.Size, structseq (torch.return_types.*)
     if type(obj) is list:
-        return [to_cpu(item, memo) for item in obj]
+        return [to_device(item, device, memo) for item in obj]
     if type(obj) is dict:
-        return {key: to_cpu(value, memo) for key, value in obj.items()}
+        return {key: to_device(value, device, memo) for key, value in obj.items()}
     if isinstance(obj, (list, MutableMapping)):
         # subclasses (OrderedDict, defaultdict, UserDict, BatchEncoding, ...) may need
         # constructor arguments we do not know: copy the object, then replace its items
         new = copy.copy(obj)
         for key, value in (enumerate(obj) if isinstance(obj, list) else obj.items()):
-            new[key] = to_cpu(value, memo)
+            new[key] = to_device(value, device, memo)
         return new
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
             # object.__setattr__ also works on frozen dataclasses
-            object.__setattr__(new, f.name, to_cpu(getattr(obj, f.name), memo))
+            object.__setattr__(new, f.name, to_device(getattr(obj, f.name), device, memo))
         return new
     return obj
 

@@ -28,8 +28,9 @@ from . import capture, forensics
 from .config import Settings
 from .detector import Detector, grad_norms, gradients, stack
 from .capture import IncidentError
-from .errors import GuardClosedError, NanguardError, NonFiniteError, StopRequested
+from .errors import ConfigError, GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
+from .replay import Replay
 
 log = logging.getLogger("nanguard")
 
@@ -69,7 +70,7 @@ class Guard:
 
     def __init__(self, model: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer],
                  settings: Settings, on_stop: Callable[[Exception], Any] | None = None,
-                 states: dict[str, Any] | None = None):
+                 states: dict[str, Any] | None = None, replay: Replay | None = None):
         self.settings = settings
         self.incident: str | None = None
         """the last captured incident directory, or None"""
@@ -96,6 +97,7 @@ class Guard:
         self._states = dict(states or {})  # name -> object with state_dict(): scaler, scheduler
         self._roots: list[weakref.ref] = []
         self._rng: dict[str, Any] | None = None
+        self._replay = replay
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
                                   detail_bytes=int(settings.detail_mb * 2**20),
                                   on_root_end=self._on_root_end,
@@ -104,6 +106,11 @@ class Guard:
                                   keep_batches=settings.capture is not False and settings.capture_batch)
         if settings.disable:
             return
+        if replay is not None:
+            self._step = self._index = replay.incident.step
+            # the original step was decided at an optimizer step, not at the end of a forward
+            self._optimizer_seen = self._optimizer_seen or replay.stepped
+            replay.load_optimizers(optimizers, self._states)
         if model is not None:
             self._attach(model)
         else:
@@ -184,17 +191,22 @@ class Guard:
                 _owners[module] = self
                 self._modules.append(weakref.ref(module))
         self._roots.append(weakref.ref(root))
-        return self._detector.attach(root, prefix)
+        slot = self._detector.attach(root, prefix)
+        if self._replay is not None and next(root.parameters(), None) is not None:
+            self._replay.load_model(root, _unwrap(root))
+        return slot
 
-    def _discover(self, module: nn.Module, args: tuple) -> None:
+    def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
         """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""
         if torch.compiler.is_compiling() or self._detector.owns(module) or module in _owners:
-            return
+            return None
         if isinstance(module, torch.fx.GraphModule):
-            return  # compiled code runs its graphs as modules; a user's FX model needs init(model)
+            return None  # compiled code runs its graphs as modules; a user's FX model needs init(model)
         self._attach(module)
         # Hooks added during this call's pre-hooks only fire from the next call on.
-        self._detector.root_pre(self._detector.slot_of(module), args, {})
+        fed = self._replay.first_call(module, args) if self._replay is not None else None
+        self._detector.root_pre(self._detector.slot_of(module), fed or args, {})
+        return fed
 
     # ------------------------------------------------------------------ decisions
     def _on_step_start(self) -> None:
@@ -213,6 +225,8 @@ class Guard:
         if self._closed:
             return
         self._optimizer_seen = True
+        if self._replay is not None:
+            self._replay.load_optimizers([optimizer], {})
         if self._primary is None:
             self._primary = weakref.ref(optimizer)
         primary = self._primary() is optimizer
@@ -253,6 +267,8 @@ class Guard:
             self._detector.reset()
             if self._early is not None:
                 self._act(self._take_early(), optimizer, collective=False)
+            if self._replay is not None:
+                self._replay.finish(None)
             if self._stop_request is not None:
                 self._stop()
             return
@@ -287,6 +303,8 @@ class Guard:
                     self._detector.reset()
                 return
         self._detector.reset()
+        if self._replay is not None:
+            self._replay.finish(None)
         if stop:
             self._stop()
         if norm_values:
@@ -352,6 +370,8 @@ class Guard:
         may use collectives); a local decision of one rank of many writes no incident."""
         policy = self.settings.on_nan
         self._events.add(event)
+        if self._replay is not None:
+            self._replay.finish(event)
         dist = _distributed() if collective else None
         world = dist.get_world_size() if dist is not None else 1
         action = {
@@ -569,11 +589,13 @@ def init(model: nn.Module | None = None,
         raise NanguardError(
             f"nanguard.init: the model ({type(model).__name__}) has no parameters, so there is"
             " nothing to protect; pass the module you train (or call nanguard.init() with no model)")
+    replay = None
     if settings.replay is not None:
-        raise NanguardError(
-            f"NANGUARD_REPLAY={settings.replay!r}: replaying an incident is not available in this"
-            " version of nanguard yet; `nanguard inspect DIR` reads it. Unset NANGUARD_REPLAY to"
-            " train normally")
+        if settings.disable:
+            raise ConfigError("NANGUARD_REPLAY and NANGUARD_DISABLE are both set: a replay needs the"
+                              " guard; unset one of them")
+        replay = Replay.open(settings.replay)  # checks the whole incident before touching anything
+        settings = replay.forensic(settings)
     if settings.disable:
         return Guard(None, [], settings, on_stop)
     if model is None:
@@ -581,8 +603,8 @@ def init(model: nn.Module | None = None,
             if _global_guard is not None and not _global_guard.closed:
                 raise NanguardError("nanguard.init(): a process-wide guard is already open; call"
                                     " close() on it first (hooks are never installed twice)")
-        guard = Guard(None, optimizers, settings, on_stop, states)
+        guard = Guard(None, optimizers, settings, on_stop, states, replay)
         with _registry_lock:
             _global_guard = guard
         return guard
-    return Guard(model, optimizers, settings, on_stop, states)
+    return Guard(model, optimizers, settings, on_stop, states, replay)

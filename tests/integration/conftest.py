@@ -137,7 +137,8 @@ class Launcher:
         return Job([p.returncode for p in procs], output, out_dir)
 
     def standalone(self, script: str | Path, *args: str, nproc: int = 2,
-                   timeout: float = DEFAULT_TIMEOUT, out_dir: Path | None = None) -> Job:
+                   timeout: float = DEFAULT_TIMEOUT, out_dir: Path | None = None,
+                   env: dict[str, str] | None = None) -> Job:
         """``torchrun --standalone --nproc-per-node N script out_dir args...`` (it picks its port).
 
         ``script`` is a file of tests/integration/workers/; it gets ``out_dir`` (a fresh folder
@@ -147,7 +148,7 @@ class Launcher:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(nproc), "--max-restarts", "0",
                 str(WORKERS / script), str(out_dir), *args]
-        return self._job([(argv, base_env(self.tmp_path))], out_dir, timeout)
+        return self._job([(argv, base_env(self.tmp_path, **(env or {})))], out_dir, timeout)
 
     def example(self, path: str | Path, nproc: int = 2, timeout: float = DEFAULT_TIMEOUT) -> Job:
         """Run a script of the repository (no out_dir argument) under torchrun --standalone."""

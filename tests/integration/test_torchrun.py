@@ -187,3 +187,42 @@ def test_make_demo_main_job(torchrun):
     report = "non-finite output in blocks.1.gate (Linear) at step 25, rank 1"
     report_lines = [line for line in job.output.splitlines() if line.startswith(f"nanguard: {report}")]
     assert len(report_lines) == 1, job.output
+
+
+def replay_job(torchrun, incident: str, *args: str):
+    """Run the unchanged worker again with NANGUARD_REPLAY: every rank must end with exit code 0
+    at the replayed step, and the incident then holds the report."""
+    from nanguard import capture
+
+    job = torchrun.standalone("ddp_train.py", *args, env={"NANGUARD_REPLAY": incident})
+    assert job.returncodes == [0], job.output[-6000:]
+    for rank, result in job.results().items():
+        assert result["steps_done"] == 0, f"rank {rank} went past the replayed step"
+        assert "SystemExit: 0" in result["exception"]
+    report = capture.read_incident(incident).replay_report()
+    assert report is not None, job.output[-6000:]
+    assert sorted(report["trace"]) == ["0", "1"]  # both ranks' traces reached the report
+    return job, report
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_replay_of_a_bad_batch_is_reproducible(torchrun):
+    job, event = ddp_fault_on_rank_1(torchrun, "input")
+    incident = job.results()[0]["error"]["incident"]
+    # the replayed run asks for no fault: the captured batch alone brings the NaN back
+    _, report = replay_job(torchrun, incident, "--steps", "8")
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["rank"] == 1 and report["first_event"]["step"] == 5
+    assert report["first_event"]["layer"] == event["layer"]
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_replay_of_a_one_off_fault_is_not_reproducible(torchrun):
+    job, event = ddp_fault_on_rank_1(torchrun, "forward")
+    incident = job.results()[0]["error"]["incident"]
+    # the fault fired at loop step 5 only; the replay's first step is a clean loop step
+    _, report = replay_job(torchrun, incident, "--steps", "8", "--fault", "forward",
+                           "--fault-rank", "1", "--fault-step", "5")
+    assert report["verdict"] == "not_reproducible"
+    assert report["first_event"] is None
+    assert report["suspects"] == [{"rank": 1, "host": event["host"], "device": "cpu"}]

@@ -204,9 +204,16 @@ def test_bare_init_with_a_compiled_model():
     assert (info.value.event.layer, info.value.event.step) == ("4", 1)
 
 
-def test_replay_is_refused_clearly_until_it_exists(monkeypatch, tmp_path):
+def test_replay_of_a_folder_without_manifest_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("NANGUARD_REPLAY", str(tmp_path))
-    with pytest.raises(nanguard.NanguardError, match="NANGUARD_REPLAY.*not available"):
+    with pytest.raises(nanguard.NanguardError, match="incomplete: no manifest.json"):
+        nanguard.init(make_mlp())
+
+
+def test_replay_and_disable_together_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANGUARD_REPLAY", str(tmp_path))
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    with pytest.raises(nanguard.ConfigError, match="NANGUARD_REPLAY and NANGUARD_DISABLE"):
         nanguard.init(make_mlp())
 
 

@@ -1,0 +1,267 @@
+"""Replay: a captured step run again from its incident, with the verdict it must reach.
+
+Each test runs "the script" (``train``) twice in this process, as a user would run it twice:
+once to make the incident, once with ``NANGUARD_REPLAY`` set, which ends with SystemExit(0)
+at the replayed step's optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard.capture import IncidentError, read_incident
+
+
+class Sqrt(nn.Module):
+    """sqrt of a linear map: NaN wherever the map goes negative (a deterministic bug)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.sqrt(self.lin(x))
+
+
+class UnluckyDropout(nn.Module):
+    """Drops to NaN (not zero) when a random draw falls under ``p``: the NaN depends on the RNG."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        draw = torch.rand(())
+        return x * torch.where(draw < self.p, torch.tensor(math.nan), torch.tensor(1.0))
+
+
+class Transient(nn.Module):
+    """Writes a NaN once, the first time it is armed (a bit flip that never comes back)."""
+
+    fired = False
+
+    def __init__(self, width: int, at_step: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.at_step = at_step
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.calls += 1
+        if self.calls == self.at_step + 1 and not Transient.fired:
+            Transient.fired = True
+            y = y.clone()
+            y[0, 0] = math.nan
+        return y
+
+
+def data(step: int, micro: int = 0, bad_sample_at: int | None = None, huge_at=None):
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(6, 8, generator=gen)
+    y = torch.randint(0, 4, (6,), generator=gen)
+    if bad_sample_at == step:
+        x[3, 5] = math.nan  # one bad sample in the loader's batch
+    if huge_at == (step, micro):
+        x[1] = 3e38  # finite, but the first Linear overflows to inf on it
+    return x, y
+
+
+def train(middle: nn.Module, *, steps: int = 12, accumulate: int = 1, init_kwargs=None,
+          seed: int = 0, **data_kwargs):
+    """The user's script: returns the weights before each step and how it ended."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), middle, nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = nanguard.init(model, optimizer, **(init_kwargs or {}))
+    before = []
+    try:
+        for step in range(steps):
+            before.append(copy.deepcopy(model.state_dict()))
+            for micro in range(accumulate):
+                x, y = data(step, micro, **data_kwargs)
+                loss = nn.functional.cross_entropy(model(x), y) / accumulate
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return before, None
+    except nanguard.NonFiniteError as err:
+        return before, err
+    finally:
+        guard.close()
+
+
+def replay(monkeypatch, incident: str, middle: nn.Module, capsys=None, **kwargs) -> dict:
+    monkeypatch.setenv("NANGUARD_REPLAY", incident)
+    with pytest.raises(SystemExit) as exit_info:
+        train(middle, **kwargs)
+    assert exit_info.value.code == 0
+    monkeypatch.delenv("NANGUARD_REPLAY")
+    report = read_incident(incident).replay_report()
+    assert report is not None, "the replay wrote no report"
+    return report
+
+
+def assert_captured_before(err, before):
+    """The incident holds the weights from before the bad step: finite, and equal to them."""
+    state = read_incident(err.incident).rank_state(0)["model"]
+    expected = before[err.event.step]
+    assert set(state) == set(expected)
+    for name, value in state.items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, expected[name]), f"{name} differs from the weights before step {err.event.step}"
+
+
+def test_deterministic_bug_is_reproducible(monkeypatch, capsys):
+    before, err = train(Sqrt(16))
+    assert err is not None and err.event.kind == "forward"
+    assert err.event.layer == "2" and err.event.input_nonfinite is False  # sqrt made it
+    assert_captured_before(err, before)
+    report = replay(monkeypatch, err.incident, Sqrt(16))
+    assert report["verdict"] == "reproducible"
+    assert report["first_event"]["layer"] == err.event.layer
+    assert report["first_event"]["step"] == err.event.step
+    assert report["suspects"] == []
+    first = report["trace"]["0"]["forward"][0]
+    assert first["module"] == "2" and first["inputs_finite"] is True  # the synchronous trace agrees
+    assert first["output"]["bad_count"] > 0
+    out = capsys.readouterr().out
+    assert "reproducible" in out and err.incident in out
+
+
+def test_bad_sample_in_the_batch(monkeypatch):
+    before, err = train(nn.Linear(16, 16), bad_sample_at=5)
+    assert err is not None and err.event.step == 5
+    assert_captured_before(err, before)
+    # the replay feeds the captured batch, not the loader's first (clean) one
+    report = replay(monkeypatch, err.incident, nn.Linear(16, 16), bad_sample_at=None)
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["layer"] == err.event.layer
+    first = report["trace"]["0"]["forward"][0]
+    assert first["module"] == "<the captured batch>" and first["output"]["first_index"] == [3, 5]
+
+
+def test_dropout_dependent_nan_needs_the_rng(monkeypatch):
+    p = 0.08
+    before, err = train(UnluckyDropout(p), steps=60)
+    assert err is not None and err.event.step > 0, "the RNG never produced the NaN: pick another p"
+    assert_captured_before(err, before)
+    # the script's seed alone gives a clean first step: only the captured RNG state reproduces it
+    torch.manual_seed(0)
+    assert not torch.rand(()) < p
+    report = replay(monkeypatch, err.incident, UnluckyDropout(p), steps=60)
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["layer"] == err.event.layer == "2"
+
+
+def test_nan_in_micro_batch_3_of_4(monkeypatch):
+    before, err = train(nn.Linear(16, 16), accumulate=4, huge_at=(4, 2))
+    assert err is not None and err.event.step == 4 and err.event.micro_batch == 2
+    assert_captured_before(err, before)
+    assert err.event.layer == "0" and err.event.input_nonfinite is False
+    assert len(read_incident(err.incident).rank_batches(0)) == 4  # every micro-batch of the step
+    report = replay(monkeypatch, err.incident, nn.Linear(16, 16), accumulate=4)
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["micro_batch"] == 2
+
+
+def test_transient_fault_is_not_reproducible(monkeypatch, capsys):
+    Transient.fired = False
+    before, err = train(Transient(16, at_step=7))
+    assert err is not None and err.event.step == 7 and err.event.layer == "2"
+    assert_captured_before(err, before)
+    report = replay(monkeypatch, err.incident, Transient(16, at_step=7))
+    assert report["verdict"] == "not_reproducible"
+    assert report["first_event"] is None
+    suspect = report["suspects"][0]
+    assert suspect["rank"] == 0 and suspect["host"] == err.event.host and suspect["device"] == "cpu"
+    assert "transient" in report["message"] and err.event.host in report["message"]
+    # inspect shows the verdict
+    from nanguard.inspect import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([err.incident]) == 0
+    assert "replay       not_reproducible" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_model_that_does_not_fit(monkeypatch):
+    before, err = train(Sqrt(16))
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(IncidentError, match="does not fit the script's model"):
+        train(Sqrt(32).lin)  # a Linear(32, 32) where a Sqrt(16) was
+    # nothing was loaded into it, and no hook was left behind
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    monkeypatch.delenv("NANGUARD_REPLAY")
+    nanguard.init(model).close()
+
+
+def test_replay_of_a_damaged_incident_is_refused(monkeypatch):
+    before, err = train(Sqrt(16))
+    path = err.incident
+    state = f"{path}/rank0/state.pt"
+    with open(state, "r+b") as f:
+        f.seek(-5, 2)
+        byte = f.read(1)
+        f.seek(-5, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    monkeypatch.setenv("NANGUARD_REPLAY", path)
+    with pytest.raises(IncidentError, match="state.pt"):
+        nanguard.init(nn.Linear(2, 2))
+
+
+def test_replay_needs_the_original_world_size(monkeypatch, tmp_path):
+    before, err = train(Sqrt(16))
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(IncidentError, match="captured on 1 rank"):
+        nanguard.init(nn.Linear(2, 2))
+
+
+def test_replay_missing_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANGUARD_REPLAY", str(tmp_path / "nope"))
+    with pytest.raises(IncidentError, match="no such incident folder"):
+        nanguard.init(nn.Linear(2, 2))
+
+
+SCRIPT = """
+import sys, torch, nanguard
+from torch import nn
+nanguard.init()                      # bare: guards whatever the script builds
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):
+    x = torch.randn(3, 4)
+    if step == 6:
+        x[0, 0] = float("inf")
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("loop ended")
+"""
+
+
+def test_bare_init_script_replays_in_a_subprocess(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin"}
+    first = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode != 0 and "NonFiniteError" in first.stderr
+    (incident,) = (tmp_path / "inc").iterdir()
+    second = subprocess.run([sys.executable, str(script)], env={**env, "NANGUARD_REPLAY": str(incident)},
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "loop ended" not in second.stdout  # the process ended at the replayed step
+    assert "reproducible" in second.stdout
+    assert read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
