@@ -58,6 +58,10 @@ class Settings:
     dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
     coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
     token: str | None = _setting(None, _parse_optional_str, "shared secret for coordinator messages")
+    heartbeat_s: float = _setting(2.0, float, "seconds between heartbeats to the coordinator")
+    event_queue: int = _setting(
+        1024, int, "events held for the coordinator's sender thread; more are dropped and counted"
+    )
     replay: str | None = _setting(None, _parse_optional_str, "incident folder to replay")
     disable: bool = _setting(False, _parse_bool, "install nothing; init returns an inert guard")
     capture: bool | None = _setting(
@@ -98,7 +102,9 @@ class Settings:
             raise ConfigError(
                 f"coordinator={self.coordinator!r} must look like tcp://host:port or ipc:///path"
             )
-        for name in ("max_events", "max_pending", "spike_warmup_steps"):
+        if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
+            raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")
+        for name in ("max_events", "max_pending", "spike_warmup_steps", "event_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -156,3 +162,22 @@ class Settings:
             if not from_env:
                 raise
             raise ConfigError(f"{exc} (environment variables in use: {', '.join(from_env)})") from None
+
+
+def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from its ``NANGUARD_*`` variable, else its default.
+
+    For the coordinator daemon and the operator commands, which need only the address or the
+    token: a bad value of a guard-only variable (``NANGUARD_ON_NAN``...) must not stop them.
+    """
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    if name not in fields:
+        raise ConfigError(f"unknown nanguard setting {name!r}; valid: {', '.join(sorted(fields))}")
+    variable = "NANGUARD_" + name.upper()
+    if variable not in environ:
+        return fields[name].default
+    try:
+        return fields[name].metadata["parse"](environ[variable])
+    except ValueError as exc:
+        raise ConfigError(f"{variable}={environ[variable]!r} is invalid: {exc}") from None

@@ -10,6 +10,7 @@ the job's first event before it acts.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from .capture import IncidentError
 from .errors import ConfigError, GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
 from .replay import Replay
+from . import __version__
 
 log = logging.getLogger("nanguard")
 
@@ -53,10 +55,14 @@ def _rank() -> int:
     dist = _distributed()
     if dist is not None:
         return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def _env_int(name: str, default: int) -> int:
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get(name, default))
     except ValueError:
-        return 0
+        return default
 
 
 def _collective_device(dist) -> torch.device:
@@ -92,7 +98,10 @@ class Guard:
         self._early: Event | None = None
         self._level: float | None = None
         self._clean_steps = 0
-        self._stop_request: str | None = None
+        self._stop_request: str | None = None  # set by the client's thread on a stop command
+        self._stop_origin = "policy"
+        self._client: Any = None
+        self._last_decision: float | None = None
         self._host = socket.gethostname()
         self._states = dict(states or {})  # name -> object with state_dict(): scaler, scheduler
         self._roots: list[weakref.ref] = []
@@ -111,6 +120,8 @@ class Guard:
             # the original step was decided at an optimizer step, not at the end of a forward
             self._optimizer_seen = self._optimizer_seen or replay.stepped
             replay.load_optimizers(optimizers, self._states)
+        if settings.coordinator is not None and replay is None:
+            self._connect(settings)
         if model is not None:
             self._attach(model)
         else:
@@ -160,6 +171,9 @@ class Guard:
             handle.remove()
         self._handles.clear()
         self._detector.detach()
+        if self._client is not None:
+            atexit.unregister(self._disconnect)
+            self._disconnect()
         with _registry_lock:
             for ref in self._modules:
                 module = ref()
@@ -177,6 +191,50 @@ class Guard:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("disabled" if self.settings.disable else "open")
         return f"<nanguard.Guard {state} step={self._step} on_nan={self.settings.on_nan}>"
+
+    # ------------------------------------------------------------------ the coordinator
+    def _connect(self, settings: Settings) -> None:
+        """Report to the coordinator from a background thread; never blocks, never fails init."""
+        from .client import Client  # pyzmq only where a coordinator is configured
+
+        local_rank = _env_int("LOCAL_RANK", 0)
+        identity = {
+            "rank": _rank(), "local_rank": local_rank, "world_size": _env_int("WORLD_SIZE", 1),
+            "host": self._host, "pid": os.getpid(),
+            "job": os.environ.get("TORCHELASTIC_RUN_ID") or "local",
+            "device": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu",
+            "version": __version__,
+        }
+        self._client = Client(settings.coordinator, token=settings.token, identity=identity,
+                              queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
+                              on_stop=self._remote_stop)
+        self._client.start()
+        # a script that ends with an exception still sends what is queued (its stop, its events)
+        atexit.register(self._disconnect)
+
+    def _disconnect(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close(timeout_s=2.0)
+
+    def _remote_stop(self, command_id: str, reason: str, origin: str) -> None:
+        # called on the client's thread: only plain assignments, read at the next decision
+        self._stop_origin = origin
+        self._stop_request = reason
+
+    def _note(self, event: Event, action: str) -> None:
+        """Keep an event; send it to the coordinator when this rank is the one that saw it."""
+        self._events.add(event)
+        client = self._client
+        if client is not None and event.rank == _rank():
+            client.send_event(event, action)
+
+    def _heartbeat(self) -> None:
+        client = self._client
+        if client is not None:
+            now = time.monotonic()
+            last, self._last_decision = self._last_decision, now
+            client.update(self._index, now - last if last is not None else None, self.last_grad_norm)
 
     # ------------------------------------------------------------------ installing
     def _attach(self, root: nn.Module, prefix: str = "") -> int:
@@ -305,6 +363,7 @@ class Guard:
         self._detector.reset()
         if self._replay is not None:
             self._replay.finish(None)
+        self._heartbeat()
         if stop:
             self._stop()
         if norm_values:
@@ -328,7 +387,7 @@ class Guard:
         first = min(candidates, key=lambda e: (
             _KIND_ORDER.get(e.kind, 9), not e.extra.get("born_here", True), e.rank))
         if local is not None and first.rank != local.rank:
-            self._events.add(local)  # what this rank saw, kept beside the job's first event
+            self._note(local, self.settings.on_nan)  # what this rank saw, beside the job's first event
         return first
 
     def _local_first_event(self, probe_values, owners, grads) -> Event | None:
@@ -369,7 +428,7 @@ class Guard:
         """Apply the policy. ``collective``: every rank is here at the same step (so the capture
         may use collectives); a local decision of one rank of many writes no incident."""
         policy = self.settings.on_nan
-        self._events.add(event)
+        self._note(event, policy)
         if self._replay is not None:
             self._replay.finish(event)
         dist = _distributed() if collective else None
@@ -392,12 +451,16 @@ class Guard:
             if self.incident is not None and event.rank == _rank():
                 log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",
                           event.step, self.incident, self.incident)
+            if self.incident is not None and self._client is not None and _rank() == 0:
+                self._client.captured(event.step, self.incident)
         if policy == "skip" and optimizer is not None:
             for param in _params(optimizer):
                 param.grad = None  # the optimizer leaves parameters without gradients untouched
             self.skipped_steps += 1
         if policy == "raise":
             error = NonFiniteError(message, event, self.incident)
+            if self._client is not None:
+                self._client.stopped(event.step, "nonfinite")
             if self._on_stop is not None:
                 self._on_stop(error)
             raise error
@@ -487,11 +550,13 @@ class Guard:
         return record
 
     def _stop(self) -> None:
-        reason = self._stop_request or "remote"
+        reason = self._stop_request or "requested by the coordinator through another rank"
         self._stop_request = None
         error = StopRequested(
             f"stop requested ({reason}) at step {self._index}; stopping all ranks before the"
             " optimizer step", step=self._index, reason=reason)
+        if self._client is not None:
+            self._client.stopped(self._index, self._stop_origin)
         if self._on_stop is not None:
             self._on_stop(error)
         raise error
@@ -525,7 +590,7 @@ class Guard:
         for kind, text in warnings:
             event = self._event({"kind": kind, "layer": next(iter(top), ""), "grad_norm": norm,
                                  "message": text, "extra": {"top_params": top}})
-            self._events.add(event)
+            self._note(event, "warn")
             log.warning("nanguard: %s", event)
 
     def _param_name(self, param: torch.Tensor) -> str:
