@@ -54,4 +54,12 @@ class StopRequested(NanguardError, RuntimeError):
 
 
 class ProtocolError(NanguardError, ValueError):
-    """A wire message was malformed, too large, of an unknown version, or unauthenticated."""
+    """A wire message was malformed, too large, of an unknown version, or unauthenticated.
+
+    ``reason`` is a short machine-readable word (a metric label): ``oversized``, ``malformed``,
+    ``version``, ``unauthenticated``, ``replayed``, ``stale`` or ``schema``.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason

@@ -21,13 +21,15 @@ WARN_KINDS = ("grad_norm", "spike")
 KINDS = STOP_KINDS + WARN_KINDS
 
 
-def _json_float(value: float | None) -> float | str | None:
+def json_float(value: float | None) -> float | str | None:
+    """A float as JSON allows it: non-finite values become "nan", "inf" or "-inf"."""
     if value is None or math.isfinite(value):
         return value
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
-def _read_float(value: Any, name: str) -> float | None:
+def read_float(value: Any, name: str) -> float | None:
+    """The inverse of ``json_float``; raises ProtocolError naming ``name`` on anything else."""
     if value is None:
         return None
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
@@ -79,51 +81,25 @@ class Event:
     extra: dict[str, Any] = field(default_factory=dict)
     """small kind-specific data (per-parameter norms of a spike, ...)"""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, compact: bool = False) -> dict[str, Any]:
+        """JSON-ready fields; ``compact`` leaves out those that hold their default value (what
+        the wire sends: half the bytes, and half the coordinator's parsing)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"):
-            out[name] = _json_float(out[name])
+            out[name] = json_float(out[name])
         for name in ("shape", "first_index"):
             if out[name] is not None:
                 out[name] = list(out[name])
         out["extra"] = dict(self.extra)
+        if compact:
+            return {name: value for name, value in out.items()
+                    if name not in _DEFAULTS or value != _DEFAULTS[name]}
         return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Event:
         """Rebuild an event from ``to_dict`` output; raises ProtocolError on anything else."""
-        if not isinstance(data, dict):
-            raise ProtocolError(f"an event must be a JSON object, got {type(data).__name__}")
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(names)
-        if unknown:
-            raise ProtocolError(f"event has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
-        for required in ("kind", "rank", "step", "layer"):
-            if required not in data:
-                raise ProtocolError(f"event is missing the field {required!r}")
-        if data["kind"] not in KINDS:
-            raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
-        values = dict(data)
-        for name in ("rank", "step", "micro_batch", "numel", "bad_count", "nan_count", "inf_count"):
-            value = values.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ProtocolError(f"event field {name}={value!r} is not an integer")
-        for name in ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"):
-            values[name] = _read_float(values.get(name), name)
-        for name in ("shape", "first_index"):
-            value = values.get(name)
-            if value is not None:
-                if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in value
-                ):
-                    raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
-                values[name] = tuple(value)
-        for name in ("layer", "module_type", "host", "message"):
-            if name in values and not isinstance(values[name], str):
-                raise ProtocolError(f"event field {name}={values[name]!r} is not a string")
-        if "extra" in values and not isinstance(values["extra"], dict):
-            raise ProtocolError("event field extra is not an object")
-        return cls(**values)
+        return cls(**event_values(data))
 
     def where(self) -> str:
         what = {
@@ -171,6 +147,55 @@ class Event:
 
     def __str__(self) -> str:
         return f"{self.where()}: {self.detail()}"
+
+
+_INT_FIELDS = ("rank", "step", "micro_batch", "numel", "bad_count", "nan_count", "inf_count")
+_FLOAT_FIELDS = ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm")
+_STR_FIELDS = ("layer", "module_type", "host", "message")
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Event))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Event) if f.default is not dataclasses.MISSING}
+_DEFAULTS["extra"] = {}
+_INT_TYPE = frozenset((int,))
+
+
+def event_values(data: Any) -> dict[str, Any]:
+    """Check ``to_dict`` output and return it as ``Event``'s keyword arguments (floats for
+    "nan"/"inf", tuples for lists); raises ProtocolError on anything else.
+
+    ``Event.from_dict`` is this plus the constructor; the coordinator, which needs no Event
+    objects, validates with this alone (the constructor costs more than the checks).
+    """
+    if not isinstance(data, dict):
+        raise ProtocolError(f"an event must be a JSON object, got {type(data).__name__}")
+    if not _FIELD_NAMES.issuperset(data):
+        unknown = set(data) - _FIELD_NAMES
+        raise ProtocolError(f"event has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    for required in ("kind", "rank", "step", "layer"):
+        if required not in data:
+            raise ProtocolError(f"event is missing the field {required!r}")
+    if data["kind"] not in KINDS:
+        raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+    values = dict(data)
+    for name in _INT_FIELDS:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ProtocolError(f"event field {name}={value!r} is not an integer")
+    for name in _FLOAT_FIELDS:
+        value = values.get(name)
+        if value is not None:
+            values[name] = read_float(value, name)
+    for name in ("shape", "first_index"):
+        value = values.get(name)
+        if value is not None:
+            if not isinstance(value, (list, tuple)) or not _INT_TYPE.issuperset(map(type, value)):
+                raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
+            values[name] = tuple(value)
+    for name in _STR_FIELDS:
+        if name in values and not isinstance(values[name], str):
+            raise ProtocolError(f"event field {name}={values[name]!r} is not a string")
+    if "extra" in values and not isinstance(values["extra"], dict):
+        raise ProtocolError("event field extra is not an object")
+    return values
 
 
 class EventLog:

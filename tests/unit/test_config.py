@@ -47,3 +47,15 @@ def test_bad_overrides(overrides, fragment):
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         Settings.resolve({"on_nan": "x"}, environ={})
+
+
+def test_setting_from_env_reads_one_variable_only():
+    from nanguard.config import setting_from_env
+
+    env = {"NANGUARD_TOKEN": " s3cret ", "NANGUARD_ON_NAN": "explode"}  # a bad guard-only value
+    assert setting_from_env("token", env) == "s3cret"
+    assert setting_from_env("coordinator", env) is None
+    with pytest.raises(ConfigError, match="NANGUARD_MAX_EVENTS"):
+        setting_from_env("max_events", {"NANGUARD_MAX_EVENTS": "many"})
+    with pytest.raises(ConfigError, match="unknown nanguard setting"):
+        setting_from_env("colour", env)

@@ -1,0 +1,158 @@
+"""The coordinator's Prometheus series, and the HTTP endpoint that serves them.
+
+Label values are only ranks (decimal strings), event kinds (``events.KINDS``), stop reasons and
+bad-message reasons from fixed lists: never a step, a layer or other free text.
+
+``nanguard_stops_total{reason}`` counts each job's stop once, when the coordinator first learns
+of it: from its own policy (``nonfinite`` when the policy is the default stop at the first
+non-finite step, ``policy`` for a threshold), an operator (``operator``), or a rank's
+``stopped`` report (its reason) when the coordinator had not decided yet. Later reports of the
+same stop, from every other rank, are not counted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.exposition import start_http_server
+
+from ..events import KINDS, STOP_KINDS
+
+STOP_REASONS = ("nonfinite", "policy", "operator")
+BAD_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema",
+               "wrong_job", "unexpected")
+"""why a message was dropped: the wire's ProtocolError reasons, a message of another job than the
+coordinator's (``wrong_job``), or a type that does not travel to the coordinator (``unexpected``)"""
+_MAX_INCIDENTS = 65536
+
+log = logging.getLogger("nanguard.coordinator")
+
+
+class Metrics:
+    """Every series of one coordinator, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry, version: str = ""):
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry)
+
+        self.nonfinite_events = counter(
+            "nanguard_nonfinite_events_total", "Non-finite events reported by ranks", ("kind", "rank"))
+        self.warning_events = counter(
+            "nanguard_warning_events_total", "Warning events (gradient norm, spike) reported by ranks",
+            ("kind", "rank"))
+        self.stops = counter("nanguard_stops_total", "Job stops, one per job, by why", ("reason",))
+        self.bad_messages = counter("nanguard_bad_messages_total", "Messages dropped as bad")
+        self.bad_reasons = counter(
+            "nanguard_bad_message_reasons_total", "Messages dropped as bad, by why", ("reason",))
+        self.incidents = counter("nanguard_incidents_total", "Distinct incidents captured by ranks")
+        self.events_dropped = counter(
+            "nanguard_events_dropped_total", "Events a rank dropped before sending (queue full)", ("rank",))
+        self.ranks_alive = gauge("nanguard_ranks_alive", "Ranks heard from recently and not finished")
+        self.ranks_registered = gauge("nanguard_ranks_registered", "Ranks known in the current job")
+        self.ranks_stalled = gauge(
+            "nanguard_ranks_stalled", "Alive ranks whose step has not advanced for the stall time")
+        self.job_stopped = gauge("nanguard_job_stopped", "1 once the current job has stopped")
+        self.rank_step = gauge("nanguard_rank_step", "Last optimizer step a rank reported", ("rank",))
+        self.rank_last_seen = gauge(
+            "nanguard_rank_last_seen_timestamp_seconds", "When a rank was last heard from", ("rank",))
+        self.rank_step_time = gauge(
+            "nanguard_rank_step_time_seconds", "A rank's last reported step duration", ("rank",))
+        self.rank_grad_norm = gauge(
+            "nanguard_rank_grad_norm", "A rank's last reported total gradient norm", ("rank",))
+        gauge("nanguard_coordinator_start_time_seconds", "When the coordinator started").set(time.time())
+        gauge("nanguard_build_info", "nanguard version of the coordinator", ("version",)).labels(version).set(1)
+        for reason in STOP_REASONS:
+            self.stops.labels(reason)
+        for reason in BAD_REASONS:
+            self.bad_reasons.labels(reason)
+        self._incident_ids: set[str] = set()
+        self._dropped_seen: dict[int, int] = {}
+
+    def events(self, counts: dict[tuple[str, int], int]) -> None:
+        """Add one batch's events, counted by (kind, rank)."""
+        for (kind, rank), count in counts.items():
+            family = self.nonfinite_events if kind in STOP_KINDS else self.warning_events
+            family.labels(kind, str(rank)).inc(count)
+
+    def stop(self, reason: str) -> None:
+        if reason not in STOP_REASONS:
+            raise ValueError(f"stop reason {reason!r} is not one of {', '.join(STOP_REASONS)}")
+        self.stops.labels(reason).inc()
+        self.job_stopped.set(1)
+
+    def bad_message(self, reason: str) -> None:
+        if reason not in BAD_REASONS:
+            raise ValueError(f"bad-message reason {reason!r} is not one of {', '.join(BAD_REASONS)}")
+        self.bad_messages.inc()
+        self.bad_reasons.labels(reason).inc()
+
+    def incident(self, path: str) -> None:
+        """A rank captured into ``path``; every rank of one incident names the same folder."""
+        incident_id = posixpath.basename(posixpath.normpath(path.replace("\\", "/")))
+        if incident_id in self._incident_ids:
+            return
+        if len(self._incident_ids) < _MAX_INCIDENTS:
+            self._incident_ids.add(incident_id)
+        self.incidents.inc()
+
+    def rank(self, rank: int, *, last_seen: float, step: int | None = None,
+             step_time_s: float | None = None, grad_norm: float | None = None) -> None:
+        label = str(rank)
+        self.rank_last_seen.labels(label).set(last_seen)
+        if step is not None:
+            self.rank_step.labels(label).set(step)
+        if step_time_s is not None:
+            self.rank_step_time.labels(label).set(step_time_s)
+        if grad_norm is not None:
+            self.rank_grad_norm.labels(label).set(grad_norm)
+
+    def dropped(self, rank: int, cumulative: int) -> None:
+        """A rank's own running count of dropped events; the counter grows by the increase. A
+        count below the last one is a new process for that rank, counting from zero again."""
+        last = self._dropped_seen.get(rank, 0)
+        increase = cumulative - last if cumulative >= last else cumulative
+        self._dropped_seen[rank] = cumulative
+        if increase:
+            self.events_dropped.labels(str(rank)).inc(increase)
+
+    def ranks(self, *, registered: int, alive: int, stalled: int) -> None:
+        self.ranks_registered.set(registered)
+        self.ranks_alive.set(alive)
+        self.ranks_stalled.set(stalled)
+
+    def new_job(self, ranks: list[int]) -> None:
+        """Forget the per-rank gauges of the last job (counters keep counting across jobs)."""
+        for rank in ranks:
+            for family in (self.rank_step, self.rank_last_seen, self.rank_step_time, self.rank_grad_norm):
+                try:
+                    family.remove(str(rank))
+                except KeyError:
+                    continue  # this rank never reported that value
+        self._dropped_seen.clear()
+        self.job_stopped.set(0)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one; see ``url``)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self._thread.name = "nanguard-metrics"
+        bound_host, self.port = self._httpd.server_address[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.url = f"http://{shown}:{self.port}/metrics"
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("metrics HTTP thread did not stop within %.1f s; leaving it (daemon thread)",
+                        timeout_s)
+

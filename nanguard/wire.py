@@ -1,0 +1,369 @@
+"""The wire protocol between ranks, the coordinator and operator commands: one encode/decode pair.
+
+The coordinator binds one ZeroMQ ROUTER socket; ranks and operator commands connect DEALER
+sockets. A message is one or two frames: ``[payload]`` without a token, ``[payload, mac]`` with
+one, where ``payload`` is compact JSON (one line) of the envelope
+
+    {"v": 1, "type": str, "sender": str, "seq": int, "time": float, "body": {...}}
+
+and ``mac`` the raw HMAC-SHA256 of ``payload`` under the shared token. ``sender`` is unique per
+process incarnation and ``seq`` grows by one per message of a sender, so ``ReplayFilter`` can
+refuse a message seen before. Which way each type travels:
+
+    rank -> coordinator       hello, heartbeat, events, captured, stopped, ack, bye
+    coordinator -> rank       stop
+    operator -> coordinator   status_request, stop_request
+    coordinator -> operator   status, stop_accepted
+
+Every body is checked against its schema on decode; anything else is a ``ProtocolError`` whose
+``reason`` (one of ``REASONS``) says which check failed. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ProtocolError
+from .events import event_values
+
+VERSION = 1
+MAX_BYTES = 64 * 1024
+"""the largest payload of any message but ``status``"""
+MAX_STATUS_BYTES = 32 * 1024 * 1024
+"""the largest ``status`` payload: the one message that grows with the number of ranks"""
+MAX_EVENTS = 256
+"""the most events one ``events`` message carries"""
+MAX_RANK = 1 << 20
+"""ranks are below this; world sizes at most this"""
+MAC_BYTES = hashlib.sha256().digest_size
+REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema")
+ACTIONS = ("raise", "skip", "warn")
+STOPPED_REASONS = ("nonfinite", "policy", "operator")
+ORIGINS = ("policy", "operator")
+RANK_TYPES = ("hello", "heartbeat", "events", "captured", "stopped", "ack", "bye")
+OPERATOR_TYPES = ("status_request", "stop_request")
+
+_ENVELOPE = frozenset(("v", "type", "sender", "seq", "time", "body"))
+_MAX_SENDER = 256
+_MAX_SEQ = (1 << 63) - 1
+
+Check = Callable[[Any], Any]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- body schemas ---------------------------------------------------------------------------
+# A check returns the (normalised) value or raises ValueError saying what was expected; an
+# object or list check prefixes the path of the field that failed (".ranks[3].pid").
+
+
+def _integer(lo: int, hi: int) -> Check:
+    def check(value: Any) -> int:
+        if value.__class__ is not int or not lo <= value <= hi:  # bool is not int here
+            raise ValueError(f": expected an integer in [{lo}, {hi}], got {_short(value)}")
+        return value
+    return check
+
+
+def _text(max_len: int, choices: Sequence[str] | None = None) -> Check:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or len(value) > max_len:
+            raise ValueError(f": expected a string of at most {max_len} characters, got {_short(value)}")
+        if choices is not None and value not in choices:
+            raise ValueError(f": expected one of {', '.join(choices)}, got {_short(value)}")
+        return value
+    return check
+
+
+def _number(lo: float, hi: float, *, nonfinite: bool = False) -> Check:
+    """A JSON number in [lo, hi]; with ``nonfinite`` also "nan", "inf", "-inf" (as floats)."""
+    def check(value: Any) -> float:
+        if nonfinite and value in ("nan", "inf", "-inf"):
+            return float(value)
+        if value.__class__ not in (int, float) or not lo <= value <= hi:
+            raise ValueError(f": expected a number in [{lo:g}, {hi:g}], got {_short(value)}")
+        return float(value)
+    return check
+
+
+def _boolean(value: Any) -> bool:
+    if value.__class__ is not bool:
+        raise ValueError(f": expected true or false, got {_short(value)}")
+    return value
+
+
+def _optional(check: Check) -> Check:
+    return lambda value: None if value is None else check(value)
+
+
+def _list(item: Check, min_len: int, max_len: int) -> Check:
+    def check(value: Any) -> list:
+        if not isinstance(value, list) or not min_len <= len(value) <= max_len:
+            size = len(value) if isinstance(value, list) else _short(value)
+            raise ValueError(f": expected a list of {min_len} to {max_len} items, got {size}")
+        out = []
+        for index, element in enumerate(value):
+            try:
+                out.append(item(element))
+            except ValueError as exc:
+                raise ValueError(f"[{index}]{exc}") from None
+        return out
+    return check
+
+
+def _object(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    fields = {**required, **(optional or {})}
+    names = frozenset(fields)
+
+    def check(value: Any) -> dict:
+        if not isinstance(value, dict):
+            raise ValueError(f": expected an object, got {_short(value)}")
+        missing = [name for name in required if name not in value]
+        if missing:
+            raise ValueError(f": missing field(s) {', '.join(missing)}")
+        if not names.issuperset(value):
+            unknown = sorted(str(name) for name in value if name not in names)
+            raise ValueError(f": unknown field(s) {', '.join(unknown)[:200]}")
+        out = {}
+        for name, element in value.items():
+            try:
+                out[name] = fields[name](element)
+            except ValueError as exc:
+                raise ValueError(f".{name}{exc}") from None
+        return out
+    return check
+
+
+_RANK = _integer(0, MAX_RANK - 1)
+_WORLD = _integer(1, MAX_RANK)
+_COUNT = _integer(0, _MAX_SEQ)
+_PID = _integer(0, (1 << 32) - 1)
+_JOB = _text(128)
+_HOST = _text(255)
+_COMMAND_ID = _text(64)
+_REASON = _text(500)
+_SECONDS = _number(0.0, 1e9)
+_TIMESTAMP = _number(0.0, 1e11)
+_GRAD_NORM = _optional(_number(0.0, math.inf, nonfinite=True))
+_EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "message": 2000}
+
+
+def _event(value: Any) -> dict[str, Any]:
+    """An ``Event.to_dict()``, checked by Event's own rules plus bounds; returned as Event's
+    keyword arguments (``Event(**values)`` rebuilds it)."""
+    try:
+        values = event_values(value)
+    except ProtocolError as exc:
+        raise ValueError(f": {exc}") from None
+    if values["rank"] < 0 or values["step"] < 0:
+        raise ValueError(f": negative rank or step ({values['rank']}, {values['step']})")
+    for name, max_len in _EVENT_TEXT_MAX.items():
+        if len(values.get(name, "")) > max_len:
+            raise ValueError(f".{name}: longer than {max_len} characters")
+    return values
+
+
+_STATUS_RANK = _object({
+    "rank": _RANK, "host": _HOST, "pid": _optional(_PID), "world_size": _optional(_WORLD),
+    "step": _optional(_COUNT), "step_time_s": _optional(_SECONDS), "grad_norm": _GRAD_NORM,
+    "last_seen": _TIMESTAMP, "alive": _boolean, "stalled": _boolean, "finished": _boolean,
+    "events": _COUNT, "dropped": _COUNT,
+})
+_STOP_STATE = _object({
+    "command_id": _COMMAND_ID, "origin": _text(16, ORIGINS), "reason": _REASON, "time": _TIMESTAMP,
+    "acked": _list(_RANK, 0, MAX_RANK),
+})
+
+SCHEMAS: dict[str, Check] = {
+    # rank -> coordinator
+    "hello": _object({"rank": _RANK, "local_rank": _RANK, "world_size": _WORLD, "host": _HOST,
+                      "pid": _PID, "job": _JOB, "device": _text(64), "version": _text(64)}),
+    "heartbeat": _object({"rank": _RANK, "world_size": _WORLD, "job": _JOB, "host": _HOST, "pid": _PID,
+                          "step": _COUNT, "step_time_s": _optional(_SECONDS), "dropped": _COUNT,
+                          "grad_norm": _GRAD_NORM}),
+    "events": _object({"rank": _RANK, "job": _JOB, "events": _list(_event, 1, MAX_EVENTS)},
+                      {"action": _text(8, ACTIONS)}),
+    "captured": _object({"rank": _RANK, "job": _JOB, "step": _COUNT, "incident": _text(4096)}),
+    "stopped": _object({"rank": _RANK, "job": _JOB, "step": _COUNT,
+                        "reason": _text(16, STOPPED_REASONS)}),
+    "ack": _object({"rank": _RANK, "command_id": _COMMAND_ID}),
+    "bye": _object({"rank": _RANK, "job": _JOB}),
+    # coordinator -> rank
+    "stop": _object({"command_id": _COMMAND_ID, "reason": _REASON, "origin": _text(16, ORIGINS)}),
+    # operator <-> coordinator
+    "status_request": _object({}),
+    "status": _object({"job": _optional(_JOB), "ranks": _list(_STATUS_RANK, 0, MAX_RANK),
+                       "stop": _optional(_STOP_STATE)}),
+    "stop_request": _object({"reason": _REASON}),
+    "stop_accepted": _object({"command_id": _COMMAND_ID, "existing": _boolean}),
+}
+TYPES = tuple(SCHEMAS)
+
+
+def check_body(type_: str, body: Any) -> dict[str, Any]:
+    """The body of a ``type_`` message, checked and normalised; ProtocolError("schema") if bad.
+
+    Normalised: numbers of float fields are floats ("nan"/"inf" strings too), and the items of
+    ``events`` are ``Event`` keyword arguments.
+    """
+    schema = SCHEMAS.get(type_)
+    if schema is None:
+        raise ProtocolError(f"unknown message type {_short(type_)}; known: {', '.join(TYPES)}",
+                            reason="schema")
+    try:
+        return schema(body)
+    except ValueError as exc:
+        raise ProtocolError(f"bad {type_} message body{exc}", reason="schema") from None
+
+
+# --- envelope -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One decoded, authenticated and schema-checked message."""
+
+    type: str
+    sender: str
+    seq: int
+    time: float
+    """the sender's clock when it encoded the message (seconds since the epoch)"""
+    body: dict[str, Any]
+    payload: bytes
+    """the payload as received: compact JSON, one line (what the coordinator logs)"""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class Codec:
+    """Encodes and decodes the messages of one sender; one per thread (``seq`` is its own).
+
+    ``token``: the shared secret, or None for no MAC. ``max_bytes``: the largest payload
+    ``decode`` accepts and ``encode`` produces (``status`` may always reach MAX_STATUS_BYTES);
+    operator commands raise it to read a ``status`` of many ranks.
+    """
+
+    def __init__(self, sender: str, token: str | None, *, max_bytes: int = MAX_BYTES):
+        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
+            raise ValueError(f"sender must be a string of 1 to {_MAX_SENDER} characters, got {_short(sender)}")
+        self.sender = sender
+        self.max_bytes = max_bytes
+        self._key = token.encode() if token else None
+        self._seq = itertools.count(1)
+        self._sender_json = json.dumps(sender)
+
+    def encode(self, type_: str, body: dict[str, Any]) -> list[bytes]:
+        """Frames of one message; ``body`` must already hold only JSON values (``json_float``)."""
+        return self.encode_json(type_, json.dumps(body, separators=(",", ":"), allow_nan=False))
+
+    def encode_json(self, type_: str, body_json: str) -> list[bytes]:
+        """As ``encode``, with the body already serialised: a sender that sends the same body to
+        many peers (the coordinator's stop) or again and again serialises it once."""
+        if type_ not in SCHEMAS:
+            raise ValueError(f"unknown message type {type_!r}; known: {', '.join(TYPES)}")
+        payload = (f'{{"v":{VERSION},"type":"{type_}","sender":{self._sender_json},'
+                   f'"seq":{next(self._seq)},"time":{time.time()!r},"body":{body_json}}}').encode()
+        limit = MAX_STATUS_BYTES if type_ == "status" else self.max_bytes
+        if len(payload) > limit:
+            raise ProtocolError(f"a {type_} message of {len(payload)} bytes is over the limit of "
+                                f"{limit}; it was not sent", reason="oversized")
+        if self._key is None:
+            return [payload]
+        return [payload, hmac.digest(self._key, payload, "sha256")]
+
+    def decode(self, frames: Sequence[bytes]) -> Message:
+        """Check and decode the frames of one message; raises ProtocolError (see ``REASONS``)."""
+        if len(frames) not in (1, 2):
+            raise ProtocolError(f"a message has 1 or 2 frames (payload[, mac]), got {len(frames)}")
+        payload = bytes(frames[0])
+        if len(payload) > self.max_bytes:
+            raise ProtocolError(f"payload of {len(payload)} bytes is over the limit of {self.max_bytes}",
+                                reason="oversized")
+        if not payload:
+            raise ProtocolError("empty payload")
+        self._authenticate(payload, frames)
+        try:
+            data = json.loads(payload, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ProtocolError(f"payload is not JSON: {str(exc)[:100]}") from None
+        if not isinstance(data, dict):
+            raise ProtocolError(f"payload is not a JSON object but {type(data).__name__}")
+        version = data.get("v")
+        if version.__class__ is not int or version != VERSION:
+            raise ProtocolError(f"protocol version {_short(version)} is not supported (this side "
+                                f"speaks {VERSION})", reason="version")
+        if data.keys() != _ENVELOPE:
+            raise ProtocolError(f"envelope fields are {sorted(map(str, data))[:8]}, expected "
+                                f"{sorted(_ENVELOPE)}")
+        type_, sender, seq, sent = data["type"], data["sender"], data["seq"], data["time"]
+        if not isinstance(type_, str):
+            raise ProtocolError(f"message type {_short(type_)} is not a string")
+        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
+            raise ProtocolError(f"sender {_short(sender)} is not a string of 1 to {_MAX_SENDER} characters")
+        if seq.__class__ is not int or not 0 <= seq <= _MAX_SEQ:
+            raise ProtocolError(f"seq {_short(seq)} is not a non-negative integer")
+        if sent.__class__ not in (int, float) or not math.isfinite(sent):
+            raise ProtocolError(f"time {_short(sent)} is not a finite number")
+        body = check_body(type_, data["body"])
+        return Message(type_, sender, seq, float(sent), body, payload)
+
+    def _authenticate(self, payload: bytes, frames: Sequence[bytes]) -> None:
+        if self._key is None:
+            if len(frames) == 2:
+                raise ProtocolError("message carries a MAC but no token is configured here "
+                                    "(set the same NANGUARD_TOKEN on both sides)", reason="unauthenticated")
+            return
+        if len(frames) == 1:
+            raise ProtocolError("message has no MAC but a token is configured here "
+                                "(set the same NANGUARD_TOKEN on both sides)", reason="unauthenticated")
+        expected = hmac.digest(self._key, payload, "sha256")
+        if not hmac.compare_digest(expected, bytes(frames[1])):
+            raise ProtocolError("message MAC does not match (a different NANGUARD_TOKEN, or a "
+                                "tampered message)", reason="unauthenticated")
+
+
+class ReplayFilter:
+    """Refuses a message seen before (seq not above the sender's last) or sent more than
+    ``window_s`` away from ``now`` (clocks must agree that closely).
+
+    Remembers the last seq of at most ``max_senders`` senders, forgetting the least recently
+    heard first; a forgotten sender's old messages are still refused once they are stale.
+    """
+
+    def __init__(self, window_s: float = 300.0, max_senders: int = 65536):
+        if not window_s > 0 or max_senders < 1:
+            raise ValueError(f"window_s={window_s!r} and max_senders={max_senders!r} must be positive")
+        self.window_s = window_s
+        self.max_senders = max_senders
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def check(self, message: Message, now: float) -> None:
+        if abs(now - message.time) > self.window_s:
+            raise ProtocolError(f"message from {message.sender} was sent {now - message.time:+.0f} s "
+                                f"away from this clock (window {self.window_s:g} s)", reason="stale")
+        last = self._last.get(message.sender)
+        if last is not None:
+            if message.seq <= last:
+                raise ProtocolError(f"message {message.seq} from {message.sender} repeats or precedes "
+                                    f"one already seen ({last})", reason="replayed")
+            self._last.move_to_end(message.sender)
+        elif len(self._last) >= self.max_senders:
+            self._last.popitem(last=False)
+        self._last[message.sender] = message.seq
+
+    def __len__(self) -> int:
+        return len(self._last)

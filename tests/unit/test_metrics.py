@@ -1,0 +1,98 @@
+"""The coordinator's metrics: a fresh registry per test, read back with get_sample_value."""
+
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from nanguard.coordinator.metrics import BAD_REASONS, Metrics, MetricsServer
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry):
+    return Metrics(registry, version="9.9")
+
+
+def value(registry, name, **labels):
+    return registry.get_sample_value(name, labels)
+
+
+def test_events_split_into_non_finite_and_warnings(registry, metrics):
+    metrics.events({("forward", 1): 2, ("grad_norm", 1): 1})
+    metrics.events({("forward", 1): 1, ("loss", 0): 1})
+    assert value(registry, "nanguard_nonfinite_events_total", kind="forward", rank="1") == 3
+    assert value(registry, "nanguard_nonfinite_events_total", kind="loss", rank="0") == 1
+    assert value(registry, "nanguard_nonfinite_events_total", kind="grad_norm", rank="1") is None
+    assert value(registry, "nanguard_warning_events_total", kind="grad_norm", rank="1") == 1
+
+
+def test_stops_and_job_state(registry, metrics):
+    assert value(registry, "nanguard_stops_total", reason="operator") == 0
+    metrics.stop("operator")
+    assert value(registry, "nanguard_stops_total", reason="operator") == 1
+    assert value(registry, "nanguard_job_stopped") == 1
+    metrics.new_job([])
+    assert value(registry, "nanguard_job_stopped") == 0
+    with pytest.raises(ValueError, match="stop reason"):
+        metrics.stop("bored")
+
+
+def test_bad_messages_total_has_no_labels(registry, metrics):
+    metrics.bad_message("unauthenticated")
+    metrics.bad_message("malformed")
+    metrics.bad_message("malformed")
+    assert value(registry, "nanguard_bad_messages_total") == 3
+    assert value(registry, "nanguard_bad_message_reasons_total", reason="malformed") == 2
+    assert all(value(registry, "nanguard_bad_message_reasons_total", reason=r) is not None for r in BAD_REASONS)
+    with pytest.raises(ValueError):
+        metrics.bad_message("free text")
+
+
+def test_dropped_grows_by_the_increase_of_a_cumulative_count(registry, metrics):
+    for cumulative in (0, 5, 5, 12):
+        metrics.dropped(3, cumulative)
+    assert value(registry, "nanguard_events_dropped_total", rank="3") == 12
+    metrics.dropped(3, 2)  # the rank restarted and counts from zero again
+    assert value(registry, "nanguard_events_dropped_total", rank="3") == 14
+
+
+def test_incidents_are_distinct_by_folder_name(registry, metrics):
+    metrics.incident("/a/incidents/job-step25")
+    metrics.incident("/b/other/mount/job-step25/")  # another rank's view of the same incident
+    metrics.incident("relative/job-step30")
+    assert value(registry, "nanguard_incidents_total") == 2
+
+
+def test_rank_gauges_and_forgetting_them(registry, metrics):
+    metrics.rank(4, last_seen=1000.0, step=17, step_time_s=0.5, grad_norm=2.0)
+    metrics.rank(4, last_seen=1001.0)
+    assert value(registry, "nanguard_rank_step", rank="4") == 17
+    assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="4") == 1001
+    assert value(registry, "nanguard_rank_step_time_seconds", rank="4") == 0.5
+    assert value(registry, "nanguard_rank_grad_norm", rank="4") == 2
+    metrics.ranks(registered=3, alive=2, stalled=1)
+    assert (value(registry, "nanguard_ranks_registered"), value(registry, "nanguard_ranks_alive"),
+            value(registry, "nanguard_ranks_stalled")) == (3, 2, 1)
+    metrics.new_job([4, 5])
+    assert value(registry, "nanguard_rank_step", rank="4") is None
+
+
+def test_info_series(registry, metrics):
+    assert value(registry, "nanguard_build_info", version="9.9") == 1
+    assert value(registry, "nanguard_coordinator_start_time_seconds") > 0
+
+
+def test_http_endpoint_serves_the_registry(registry, metrics):
+    metrics.stop("nonfinite")
+    server = MetricsServer(registry, "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(server.url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.close()
+    assert 'nanguard_stops_total{reason="nonfinite"} 1.0' in text

@@ -1,0 +1,246 @@
+"""The wire protocol: every message type round-trips; every malformed message is refused by name."""
+
+import hashlib
+import hmac
+import json
+import math
+import time
+
+import pytest
+
+from nanguard import Event, ProtocolError
+from nanguard.wire import (
+    MAX_BYTES,
+    MAX_EVENTS,
+    MAX_STATUS_BYTES,
+    REASONS,
+    TYPES,
+    Codec,
+    Message,
+    ReplayFilter,
+    check_body,
+)
+
+RANK_STATUS = {"rank": 1, "host": "node1", "pid": 42, "world_size": 2, "step": 7, "step_time_s": 0.25,
+               "grad_norm": "nan", "last_seen": 1.7e9, "alive": True, "stalled": False,
+               "finished": False, "events": 3, "dropped": 0}
+EVENT = Event(kind="forward", rank=1, step=25, layer="blocks.1.gate", module_type="Linear", has_nan=True,
+              shape=(4, 8), first_index=(0, 3), first_value=-math.inf, host="node1", time=1.7e9)
+
+BODIES = {
+    "hello": {"rank": 1, "local_rank": 1, "world_size": 2, "host": "node1", "pid": 42, "job": "j",
+              "device": "cuda:1", "version": "0.1.0"},
+    "heartbeat": {"rank": 1, "world_size": 2, "job": "j", "host": "node1", "pid": 42, "step": 7,
+                  "step_time_s": 0.25, "dropped": 3, "grad_norm": 1.5},
+    "events": {"rank": 1, "job": "j", "events": [EVENT.to_dict(), EVENT.to_dict(compact=True)],
+               "action": "raise"},
+    "captured": {"rank": 1, "job": "j", "step": 25, "incident": "/runs/incidents/j-step25"},
+    "stopped": {"rank": 1, "job": "j", "step": 25, "reason": "nonfinite"},
+    "ack": {"rank": 1, "command_id": "c0ffee"},
+    "bye": {"rank": 1, "job": "j"},
+    "stop": {"command_id": "c0ffee", "reason": "operator says so", "origin": "operator"},
+    "status_request": {},
+    "status": {"job": "j", "ranks": [RANK_STATUS],
+               "stop": {"command_id": "c0ffee", "origin": "policy", "reason": "r", "time": 1.7e9,
+                        "acked": [0, 1]}},
+    "stop_request": {"reason": "maintenance"},
+    "stop_accepted": {"command_id": "c0ffee", "existing": False},
+}
+
+
+def envelope(type_="hello", body=None, **fields):
+    data = {"v": 1, "type": type_, "sender": "test", "seq": 1, "time": time.time(),
+            "body": BODIES[type_] if body is None else body}
+    data.update(fields)
+    return json.dumps(data).encode()
+
+
+def refused(codec, frames):
+    with pytest.raises(ProtocolError) as info:
+        codec.decode(frames)
+    assert info.value.reason in REASONS
+    return info.value
+
+
+def test_every_type_has_a_test_body():
+    assert sorted(BODIES) == sorted(TYPES)
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.parametrize("type_", TYPES)
+def test_round_trip(type_, token):
+    sender, receiver = Codec("rank1@node1:42:ab", token), Codec("coordinator", token)
+    frames = sender.encode(type_, BODIES[type_])
+    assert len(frames) == (1 if token is None else 2)
+    assert b"\n" not in frames[0]
+    message = receiver.decode(frames)
+    assert isinstance(message, Message)
+    assert (message.type, message.sender, message.seq) == (type_, "rank1@node1:42:ab", 1)
+    assert abs(message.time - time.time()) < 60
+    assert message.payload == frames[0]
+    assert json.loads(message.payload)["body"] == json.loads(json.dumps(BODIES[type_]))
+
+
+def test_normalised_bodies():
+    codec = Codec("a", None)
+    events = codec.decode(codec.encode("events", BODIES["events"])).body["events"]
+    assert [Event(**values) for values in events] == [EVENT, EVENT]
+    status = codec.decode(codec.encode("status", BODIES["status"])).body
+    assert math.isnan(status["ranks"][0]["grad_norm"])
+    beat = dict(BODIES["heartbeat"], grad_norm="inf", step_time_s=None)
+    assert codec.decode(codec.encode("heartbeat", beat)).body["grad_norm"] == math.inf
+
+
+def test_seq_grows_per_codec():
+    codec = Codec("a", None)
+    seqs = [codec.decode(codec.encode("bye", BODIES["bye"])).seq for _ in range(3)]
+    assert seqs == [1, 2, 3]
+    assert Codec("b", None).decode(Codec("b", None).encode("bye", BODIES["bye"])).seq == 1
+
+
+def test_mac_is_hmac_sha256_of_the_payload():
+    payload, mac = Codec("a", "tok").encode("bye", BODIES["bye"])
+    assert mac == hmac.new(b"tok", payload, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("frames, reason, fragment", [
+    ([], "malformed", "got 0"),
+    ([envelope(), b"", b""], "malformed", "got 3"),
+    ([b""], "malformed", "empty"),
+    ([b"not json"], "malformed", "not JSON"),
+    ([b"\xff\xfe"], "malformed", "not JSON"),
+    ([b'{"v": NaN}'], "malformed", "not JSON"),
+    ([b"[" * 100_000], "oversized", "over the limit"),
+    ([b"[" * 60_000], "malformed", "not JSON"),
+    ([b"[1, 2]"], "malformed", "not a JSON object"),
+    ([envelope(v=2)], "version", "version 2"),
+    ([envelope(v=True)], "version", "version True"),
+    ([b'{"type": "hello"}'], "version", "version None"),
+    ([envelope(extra=1)], "malformed", "envelope"),
+    ([envelope(type=3)], "malformed", "type"),
+    ([envelope(sender="")], "malformed", "sender"),
+    ([envelope(sender="x" * 300)], "malformed", "sender"),
+    ([envelope(seq=-1)], "malformed", "seq"),
+    ([envelope(seq="1")], "malformed", "seq"),
+    ([envelope(time="now")], "malformed", "time"),
+    ([envelope(type="reboot", body={})], "schema", "unknown message type"),
+    ([envelope(body=[])], "schema", "expected an object"),
+    ([envelope(body={"rank": 1})], "schema", "missing field(s) local_rank"),
+    ([envelope(body=dict(BODIES["hello"], colour="red"))], "schema", "unknown field(s) colour"),
+    ([envelope(body=dict(BODIES["hello"], rank=-1))], "schema", ".rank: expected an integer"),
+    ([envelope(body=dict(BODIES["hello"], rank=True))], "schema", ".rank"),
+    ([envelope(body=dict(BODIES["hello"], world_size=10**9))], "schema", ".world_size"),
+    ([envelope(body=dict(BODIES["hello"], pid="42"))], "schema", ".pid"),
+    ([envelope(body=dict(BODIES["hello"], host="h" * 300))], "schema", ".host: expected a string"),
+    ([envelope("heartbeat", dict(BODIES["heartbeat"], step_time_s=-1.0))], "schema", ".step_time_s"),
+    ([envelope("heartbeat", dict(BODIES["heartbeat"], grad_norm="lots"))], "schema", ".grad_norm"),
+    ([envelope("heartbeat", dict(BODIES["heartbeat"], dropped=-5))], "schema", ".dropped"),
+    ([envelope("events", dict(BODIES["events"], events=[]))], "schema", "1 to 256 items, got 0"),
+    ([envelope("events", dict(BODIES["events"], events=[{"kind": "loss"}] * 300))], "schema", "got 300"),
+    ([envelope("events", dict(BODIES["events"], action="panic"))], "schema", ".action: expected one of"),
+    ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), kind="boom")]))],
+     "schema", ".events[0]: event kind 'boom'"),
+    ([envelope("events", dict(BODIES["events"], events=[EVENT.to_dict(), dict(EVENT.to_dict(), step=-3)]))],
+     "schema", ".events[1]: negative"),
+    ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), layer="x" * 2000)]))],
+     "schema", ".events[0].layer"),
+    ([envelope("events", dict(BODIES["events"], events=["forward"]))], "schema", "must be a JSON object"),
+    ([envelope("stopped", dict(BODIES["stopped"], reason="bored"))], "schema", ".reason"),
+    ([envelope("stop", dict(BODIES["stop"], reason="r" * 501))], "schema", ".reason"),
+    ([envelope("stop", dict(BODIES["stop"], origin="rank"))], "schema", ".origin"),
+    ([envelope("status", dict(BODIES["status"], ranks=[dict(RANK_STATUS, alive=1)]))],
+     "schema", ".ranks[0].alive: expected true or false"),
+    ([envelope("status_request", {"all": True})], "schema", "unknown field(s) all"),
+])
+def test_malformed_messages_are_refused_with_a_reason(frames, reason, fragment):
+    error = refused(Codec("coordinator", None), frames)
+    assert error.reason == reason
+    assert fragment in str(error)
+
+
+def test_oversized_is_refused_on_both_sides():
+    codec = Codec("a", None)
+    too_many = dict(BODIES["events"], events=[dict(EVENT.to_dict(), message="m" * 1900)] * 40)
+    with pytest.raises(ProtocolError) as info:
+        codec.encode("events", too_many)
+    assert info.value.reason == "oversized"
+    assert refused(codec, [b" " * (MAX_BYTES + 1)]).reason == "oversized"
+    # a status may be larger, and an operator codec reads it
+    ranks = [dict(RANK_STATUS, rank=r) for r in range(1000)]
+    frames = Codec("c", None).encode("status", dict(BODIES["status"], ranks=ranks))
+    assert len(frames[0]) > MAX_BYTES
+    assert refused(codec, frames).reason == "oversized"
+    assert len(Codec("op", None, max_bytes=MAX_STATUS_BYTES).decode(frames).body["ranks"]) == 1000
+
+
+def test_events_batch_of_max_size_fits():
+    compact = Event(kind="grad", rank=3, step=10**6, layer="model.layers.31.mlp.down_proj.weight",
+                    has_nan=True).to_dict(compact=True)
+    codec = Codec("a", None)
+    body = codec.decode(codec.encode("events", {"rank": 3, "job": "j", "events": [compact] * MAX_EVENTS}))
+    assert len(body.body["events"]) == MAX_EVENTS
+
+
+@pytest.mark.parametrize("sender_token, receiver_token, fragment", [
+    ("tok", None, "no token is configured here"),
+    (None, "tok", "no MAC"),
+    ("tok", "other", "does not match"),
+])
+def test_unauthenticated(sender_token, receiver_token, fragment):
+    frames = Codec("a", sender_token).encode("bye", BODIES["bye"])
+    error = refused(Codec("b", receiver_token), frames)
+    assert error.reason == "unauthenticated" and fragment in str(error)
+
+
+def test_tampered_payload_is_unauthenticated():
+    payload, mac = Codec("a", "tok").encode("stop_request", {"reason": "x"})
+    forged = payload.replace(b'"x"', b'"y"')
+    assert refused(Codec("b", "tok"), [forged, mac]).reason == "unauthenticated"
+    assert refused(Codec("b", "tok"), [payload, mac[:-1]]).reason == "unauthenticated"
+
+
+def test_replay_filter():
+    codec, receiver = Codec("rank0", None), Codec("c", None)
+    first, second = (receiver.decode(codec.encode("bye", BODIES["bye"])) for _ in range(2))
+    replay = ReplayFilter(window_s=300)
+    now = time.time()
+    replay.check(first, now)
+    replay.check(second, now)
+    for message in (second, first):
+        with pytest.raises(ProtocolError) as info:
+            replay.check(message, now)
+        assert info.value.reason == "replayed"
+    for skew in (-301, 301):
+        with pytest.raises(ProtocolError) as info:
+            replay.check(receiver.decode(codec.encode("bye", BODIES["bye"])), now + skew)
+        assert info.value.reason == "stale"
+
+
+def test_replay_filter_memory_is_bounded():
+    replay = ReplayFilter(max_senders=3)
+    now = time.time()
+    for name in "abcd":
+        replay.check(Message("bye", name, 1, now, {}, b""), now)
+    assert len(replay) == 3
+    replay.check(Message("bye", "a", 1, now, {}, b""), now)  # "a" was forgotten first
+    with pytest.raises(ProtocolError):
+        replay.check(Message("bye", "d", 1, now, {}, b""), now)
+
+
+def test_check_body_wraps_event_errors_as_schema():
+    with pytest.raises(ProtocolError) as info:
+        check_body("events", {"rank": 0, "job": "j", "events": [{"kind": "forward"}]})
+    assert info.value.reason == "schema" and "missing the field 'rank'" in str(info.value)
+
+
+def test_protocol_error_is_backwards_compatible():
+    error = ProtocolError("old style")
+    assert error.reason == "malformed" and isinstance(error, ValueError)
+
+
+def test_encode_refuses_unknown_types_and_nan():
+    codec = Codec("a", None)
+    with pytest.raises(ValueError, match="unknown message type"):
+        codec.encode("reboot", {})
+    with pytest.raises(ValueError):
+        codec.encode("heartbeat", dict(BODIES["heartbeat"], grad_norm=math.nan))
