@@ -94,6 +94,7 @@ class Guard:
         self._scoped = model is not None
         self._optimizer_seen = bool(optimizers)
         self._handles: list[Any] = []
+        self._restore: list[Callable[[], Any]] = []  # undoes what is not a hook handle
         self._modules: list[weakref.ref] = []
         self._early: Event | None = None
         self._level: float | None = None
@@ -102,6 +103,7 @@ class Guard:
         self._stop_origin = "policy"
         self._client: Any = None
         self._last_decision: float | None = None
+        self._stepped = False  # an optimizer step was decided since the scaler's last update()
         self._host = socket.gethostname()
         self._states = dict(states or {})  # name -> object with state_dict(): scaler, scheduler
         self._roots: list[weakref.ref] = []
@@ -122,6 +124,8 @@ class Guard:
             replay.load_optimizers(optimizers, self._states)
         if settings.coordinator is not None and replay is None:
             self._connect(settings)
+        if "scaler" in self._states:
+            self._watch_scaler(self._states["scaler"])
         if model is not None:
             self._attach(model)
         else:
@@ -170,6 +174,9 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for undo in self._restore:
+            undo()
+        self._restore.clear()
         self._detector.detach()
         if self._client is not None:
             atexit.unregister(self._disconnect)
@@ -236,6 +243,24 @@ class Guard:
             last, self._last_decision = self._last_decision, now
             client.update(self._index, now - last if last is not None else None, self.last_grad_norm)
 
+    def _watch_scaler(self, scaler: Any) -> None:
+        """A step that the GradScaler skips never calls ``optimizer.step()``, so the step
+        pre-hook never decides it; the scaler's ``update()`` then decides it from the forward's
+        checks. Gradients are left out there: scaled gradients that overflow are what the
+        scaler handles itself, by skipping the step and lowering its scale."""
+        update = scaler.update
+
+        def guarded_update(*args, **kwargs):
+            result = update(*args, **kwargs)
+            stepped, self._stepped = self._stepped, False
+            if not stepped and not self._closed and self._detector.pending:
+                primary = self._primary() if self._primary is not None else None
+                self._decide(primary, collective=True, gradients_too=False)
+            return result
+
+        scaler.update = guarded_update
+        self._restore.append(lambda: scaler.__dict__.pop("update", None))
+
     # ------------------------------------------------------------------ installing
     def _attach(self, root: nn.Module, prefix: str = "") -> int:
         with _registry_lock:
@@ -283,6 +308,7 @@ class Guard:
         if self._closed:
             return
         self._optimizer_seen = True
+        self._stepped = True
         if self._replay is not None:
             self._replay.load_optimizers([optimizer], {})
         if self._primary is None:
@@ -314,11 +340,13 @@ class Guard:
         event, self._early = self._early, None
         return event
 
-    def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool) -> None:
+    def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool,
+                gradients_too: bool = True) -> None:
         dist = _distributed() if collective else None
         probes = self._detector.probes
-        buckets = self._detector.bucket_probes
-        owners, grads = gradients(_params(optimizer)) if optimizer is not None else ([], [])
+        buckets = self._detector.bucket_probes if gradients_too else []
+        owners, grads = (gradients(_params(optimizer)) if optimizer is not None and gradients_too
+                         else ([], []))
         norms = grad_norms(grads) if grads else []
         parts = probes + norms + buckets
         if not parts and dist is None:

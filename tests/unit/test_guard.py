@@ -531,3 +531,27 @@ def test_capture_can_be_turned_off_and_batches_left_out(incidents_in_tmp):
             assert info.value.incident is None
         else:
             assert capture.read_incident(info.value.incident).rank_batches(0) is None
+
+
+def test_grad_scaler_given_to_init_still_skips_overflows_but_stops_on_a_forward_nan():
+    """A step the scaler skips never reaches optimizer.step(): with scaler= given, its
+    update() decides that step from the forward's checks (gradients are the scaler's job)."""
+    torch.manual_seed(0)
+    fault = Fault(32)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), fault, nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=1000)
+    with nanguard.init(model, optimizer, scaler=scaler) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(40):
+                fault.armed = step == 35
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(torch.randn(16, 8))
+                loss = nn.functional.cross_entropy(out.float(), torch.randint(0, 4, (16,)))
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+        assert step == 35  # the overflowing steps before it did not stop the run
+        assert info.value.event.layer == "2" and info.value.event.kind == "forward"
+    assert "update" not in vars(scaler)  # close() gave the scaler its own update() back

@@ -265,3 +265,44 @@ def test_bare_init_script_replays_in_a_subprocess(tmp_path):
     assert "loop ended" not in second.stdout  # the process ended at the replayed step
     assert "reproducible" in second.stdout
     assert read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
+
+
+def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
+    def script():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), Sqrt(16), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        guard = nanguard.init(model, optimizer, scaler=scaler, scheduler=scheduler)
+        try:
+            for step in range(20):
+                x, y = data(step)
+                scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                optimizer.zero_grad()
+        except nanguard.NonFiniteError as err:
+            return err, scaler, scheduler
+        finally:
+            guard.close()
+        return None, scaler, scheduler
+
+    err, scaler, scheduler = script()
+    assert err is not None and err.event.step >= 0
+    captured = read_incident(err.incident).rank_state(0)["extra"]
+    assert captured["scheduler"]["last_epoch"] == err.event.step
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    seen = {}
+    real_load = torch.optim.lr_scheduler.StepLR.load_state_dict
+
+    def spy(self, state):
+        seen["scheduler"] = dict(state)
+        return real_load(self, state)
+
+    monkeypatch.setattr(torch.optim.lr_scheduler.StepLR, "load_state_dict", spy)
+    with pytest.raises(SystemExit):
+        script()
+    assert seen["scheduler"]["last_epoch"] == err.event.step
+    assert read_incident(err.incident).replay_report()["verdict"] == "reproducible"

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -148,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--on-nan", default="raise")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
+    p.add_argument("--warn-every-step", action="store_true",
+                   help="a grad-norm warning event on every step (an event storm)")
+    p.add_argument("--progress-file", default=None,
+                   help="rank 0 writes the number of steps done here after every step")
     return p
 
 
@@ -169,14 +175,15 @@ def run(args: argparse.Namespace, wrap) -> int:
     net = Net()
     model, no_sync = wrap(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = nanguard.init(model, optimizer, on_nan=args.on_nan)
+    overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
+    guard = nanguard.init(model, optimizer, on_nan=args.on_nan, **overrides)
     generator = torch.Generator().manual_seed(100 + rank)
     faulty = _is_faulty_process(args, rank)
     fault_module = net.blocks[1].fault
     result: dict[str, Any] = {
         "rank": rank, "world": world, "host": socket.gethostname(),
         "node": os.environ.get("NG_TEST_NODE"), "faulty": faulty,
-        "step_digests": [], "steps_done": 0, "error": None, "exception": None,
+        "step_digests": [], "steps_done": 0, "error": None, "exception": None, "stop": None,
     }
     before: dict[str, str] = {}
     step = -1
@@ -200,6 +207,12 @@ def run(args: argparse.Namespace, wrap) -> int:
             optimizer.step()
             optimizer.zero_grad()
             result["steps_done"] += 1
+            if args.progress_file and rank == 0:
+                with open(args.progress_file + ".tmp", "w") as f:
+                    f.write(str(result["steps_done"]))
+                os.replace(args.progress_file + ".tmp", args.progress_file)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     except nanguard.NonFiniteError as err:
         result["error"] = {
             "type": type(err).__name__,
@@ -213,6 +226,11 @@ def run(args: argparse.Namespace, wrap) -> int:
             "weights_after": weights_digest(model),
             "optim_before": before["optim"],
             "optim_after": optim_digest(optimizer),
+        }
+    except nanguard.StopRequested as err:
+        result["stop"] = {
+            "loop_step": step, "step": err.step, "reason": err.reason,
+            "weights_before": before["weights"], "weights_after": weights_digest(model),
         }
     except BaseException:
         result["exception"] = traceback.format_exc()
