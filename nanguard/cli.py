@@ -12,6 +12,84 @@ def _demo(args: argparse.Namespace) -> int:
     return run(steps=args.steps, bad_step=args.bad_step)
 
 
+def _coordinator(args: argparse.Namespace) -> int:
+    from .coordinator.main import run
+
+    return run(args)
+
+
+def _ask(args: argparse.Namespace, type_: str, body: dict):
+    """One operator request; the reply, or an exit code after saying what went wrong."""
+    from .config import setting_from_env
+    from .coordinator.control import CoordinatorUnreachable, request
+    from .errors import ConfigError, ProtocolError
+
+    try:
+        address = args.coordinator or setting_from_env("coordinator")
+        token = setting_from_env("token")
+    except ConfigError as exc:
+        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if not address:
+        print(f"nanguard {args.command}: no coordinator address: pass --coordinator tcp://HOST:PORT or "
+              "set NANGUARD_COORDINATOR", file=sys.stderr)
+        return 2
+    try:
+        return request(address, token, type_, body, timeout_s=args.timeout_s)
+    except (CoordinatorUnreachable, ProtocolError, ValueError) as exc:
+        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    reply = _ask(args, "status_request", {})
+    if isinstance(reply, int):
+        return reply
+    if args.json:
+        print(json.dumps(reply.body, indent=2))
+        return 0
+    print(format_status(reply.body, now=reply.time))
+    return 0
+
+
+def format_status(status: dict, now: float) -> str:
+    """The ``status`` reply as a table; ``now`` is the coordinator's clock when it answered."""
+    import time
+
+    rows = [("rank", "host", "step", "last seen", "state", "events", "dropped")]
+    for r in status["ranks"]:
+        state = ("finished" if r["finished"] else "stalled" if r["stalled"] else
+                 "alive" if r["alive"] else "dead")
+        rows.append((str(r["rank"]), r["host"] or "?", "?" if r["step"] is None else str(r["step"]),
+                     f"{max(0.0, now - r['last_seen']):.1f} s ago", state, str(r["events"]),
+                     str(r["dropped"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"job: {status['job'] or '(none yet)'}, {len(status['ranks'])} rank(s)"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    stop = status["stop"]
+    if stop is None:
+        lines.append("stop: none")
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stop["time"]))
+        lines.append(f"stop: command {stop['command_id']} ({stop['origin']}) at {when}: {stop['reason']}; "
+                     f"acked by {len(stop['acked'])} of {len(status['ranks'])} rank(s)")
+    return "\n".join(lines)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    reply = _ask(args, "stop_request", {"reason": args.reason})
+    if isinstance(reply, int):
+        return reply
+    command_id = reply.body["command_id"]
+    if reply.body["existing"]:
+        print(f"{command_id} (the job was already stopping; that command stands)")
+    else:
+        print(command_id)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanguard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -19,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=40, help="training steps to run")
     demo.add_argument("--bad-step", type=int, default=25, help="step at which a layer produces a NaN")
     demo.set_defaults(func=_demo)
+    coordinator = commands.add_parser("coordinator", help="run the coordinator daemon beside a job")
+    from .coordinator.main import add_arguments
+
+    add_arguments(coordinator)
+    coordinator.set_defaults(func=_coordinator)
+    for name, func, text in (("status", _status, "show the ranks and the stop state of a job"),
+                             ("stop", _stop, "stop every rank of a job at one common step")):
+        verb = commands.add_parser(name, help=text)
+        verb.add_argument("--coordinator", help="coordinator address (default: $NANGUARD_COORDINATOR)")
+        verb.add_argument("--timeout-s", type=float, default=5.0,
+                          help="give up after this many seconds without an answer (default %(default)s)")
+        verb.set_defaults(func=func)
+        if name == "status":
+            verb.add_argument("--json", action="store_true", help="print the reply as JSON")
+        else:
+            verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
     # listed here for --help; its own parser (nanguard/inspect.py) reads its arguments
     commands.add_parser("inspect", add_help=False,
                         help="summarise an incident folder: nanguard inspect DIR [--json]")

@@ -1,0 +1,327 @@
+"""The rank side of the coordinator link: a bounded queue and one thread that owns the socket.
+
+The training thread only puts into a queue (``send_event``) or stores values (``update``): O(1),
+never blocking, never failing when the coordinator is down, late or gone. The ``nanguard-client``
+thread connects a DEALER socket (ZeroMQ connects lazily and reconnects by itself), says
+``hello`` on every new connection, sends the queued events in batches, a ``heartbeat`` every
+``heartbeat_s``, and acks the coordinator's ``stop`` commands, handing each new one to
+``on_stop``. Events that cannot be queued or sent are dropped and counted; the count travels
+in heartbeats. No torch, no prometheus_client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .errors import ProtocolError
+from .events import Event, json_float
+from .wire import ACTIONS, MAX_BYTES, MAX_EVENTS, STOPPED_REASONS, Codec, ReplayFilter, check_body
+
+log = logging.getLogger("nanguard.client")
+
+IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
+_POLL_S = 0.02
+"""how long the thread sleeps between looks at the queue (the latency of an event, at most)"""
+_BATCHES_PER_TURN = 8
+"""event batches sent before the thread looks for stop commands again"""
+_MAX_CONTROL = 1024
+_MAX_REMEMBERED_COMMANDS = 64
+_WARN_EVERY_S = 60.0
+
+OnStop = Callable[[str, str, str], None]
+
+
+class Client:
+    """One rank's link to the coordinator at ``address``.
+
+    ``identity``: this rank's ``hello`` body (``IDENTITY_FIELDS``). ``queue_size``: events held
+    while the thread catches up (or the coordinator is away); more are dropped and counted.
+    ``on_stop(command_id, reason, origin)``: called on the client thread, once per stop command;
+    keep it short (set a flag).
+    """
+
+    def __init__(self, address: str, *, token: str | None, identity: dict[str, Any],
+                 queue_size: int = 1024, heartbeat_s: float = 2.0, on_stop: OnStop | None = None,
+                 context: zmq.Context | None = None):
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"coordinator address {address!r} must look like tcp://host:port")
+        missing = [name for name in IDENTITY_FIELDS if name not in identity]
+        if missing or set(identity) - set(IDENTITY_FIELDS):
+            raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)}; "
+                             f"got {', '.join(sorted(identity))}")
+        try:
+            check_body("hello", identity)
+        except ProtocolError as exc:
+            raise ValueError(f"invalid identity: {exc}") from None
+        if not (isinstance(queue_size, int) and queue_size > 0 and heartbeat_s > 0):
+            raise ValueError(f"queue_size={queue_size!r} and heartbeat_s={heartbeat_s!r} must be positive")
+        self.address = address
+        self.identity = dict(identity)
+        self.heartbeat_s = heartbeat_s
+        self.on_stop = on_stop
+        self._context = context or zmq.Context.instance()
+        rank = identity["rank"]
+        self._codec = Codec(f"rank{rank}@{identity['host']}:{identity['pid']}:{secrets.token_hex(4)}",
+                            token)
+        # one routing id per rank and job: a reconnecting rank takes its place (ROUTER_HANDOVER)
+        self._routing_id = f"rank{rank}@{identity['job']}".encode()[:255]
+        self._replay = ReplayFilter(max_senders=16)
+        self._queue: queue.Queue[tuple[Event, str]] = queue.Queue(queue_size)
+        self._control: deque[tuple[str, dict[str, Any]]] = deque()
+        self._latest: tuple[int, float | None, float | None] = (0, None, None)
+        self._dropped_queued = 0
+        """dropped by the training thread (queue full); under _drop_lock"""
+        self._dropped_sent = 0
+        """dropped by the client thread (could not send)"""
+        self._drop_lock = threading.Lock()
+        self._carry: tuple[Event, str] | None = None
+        self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
+        self._connected = False
+        self._next_heartbeat = 0.0
+        self._warned_at: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self._close_deadline = math.inf
+        self._thread: threading.Thread | None = None
+
+    # --- training thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the client thread; returns at once, whether or not a coordinator is there."""
+        if self._thread is not None:
+            raise RuntimeError("client already started")
+        self._thread = threading.Thread(target=self._run, name="nanguard-client", daemon=True)
+        self._thread.start()
+
+    def send_event(self, event: Event, action: str) -> bool:
+        """Queue an event with what this rank does about it (raise, skip, warn). False when the
+        queue is full: the event is dropped and counted."""
+        try:
+            self._queue.put_nowait((event, action))
+            return True
+        except queue.Full:
+            with self._drop_lock:
+                self._dropped_queued += 1
+            return False
+
+    def update(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        """The values the next heartbeat carries."""
+        self._latest = (step, step_time_s, grad_norm)
+
+    def captured(self, step: int, incident: str) -> None:
+        """Tell the coordinator this rank wrote its state of ``step`` into ``incident``."""
+        self._control_message("captured", {"step": step, "incident": incident})
+
+    def stopped(self, step: int, reason: str) -> None:
+        """Tell the coordinator this rank stopped at ``step`` (nonfinite, policy, operator)."""
+        if reason not in STOPPED_REASONS:
+            raise ValueError(f"stop reason {reason!r} is not one of {', '.join(STOPPED_REASONS)}")
+        self._control_message("stopped", {"step": step, "reason": reason})
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped so far: queue full, or not sendable."""
+        return self._dropped_queued + self._dropped_sent
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Say ``bye``, send what can be sent within ``timeout_s``, stop the thread, close the
+        socket. Returns within ``timeout_s`` (plus a little) whatever the coordinator does."""
+        thread = self._thread
+        if thread is None or self._stopping.is_set():
+            return
+        self._control_message("bye", {})
+        self._close_deadline = time.monotonic() + 0.8 * timeout_s
+        self._stopping.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("nanguard client thread did not stop within %.1f s; it is a daemon thread "
+                        "and ends with the process", timeout_s)
+
+    def _control_message(self, type_: str, fields: dict[str, Any]) -> None:
+        if len(self._control) >= _MAX_CONTROL:
+            log.warning("nanguard: %d messages to the coordinator at %s wait unsent; this %s message "
+                        "is dropped", len(self._control), self.address, type_)
+            return
+        body = {"rank": self.identity["rank"], "job": self.identity["job"], **fields}
+        self._control.append((type_, body))
+
+    # --- client thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        monitor = None
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
+            sock.setsockopt(zmq.SNDHWM, 64)
+            sock.setsockopt(zmq.RCVHWM, 64)
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sock.connect(self.address)
+            self._loop(sock, monitor)
+        except zmq.ZMQError as exc:
+            log.error("nanguard client for %s failed: %s; events are no longer sent to the coordinator "
+                      "(training goes on, guarded locally)", self.address, exc)
+        finally:
+            linger_s = max(0.0, self._close_deadline - time.monotonic()) if self._stopping.is_set() else 0
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=int(min(linger_s, 1.0) * 1000))
+
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(_POLL_S * 1000))
+            now = time.time()
+            if monitor in ready:
+                self._connection_events(monitor)
+            if sock in ready:
+                self._receive(sock, now)
+            done = self._send(sock, now)
+            if self._stopping.is_set() and (done or not self._connected
+                                            or time.monotonic() >= self._close_deadline):
+                if not done:
+                    self._drop_unsent()
+                return
+
+    def _connection_events(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+                # first contact, or a coordinator restarted: introduce this rank (first in line)
+                self._control.appendleft(("hello", self.identity))
+                self._next_heartbeat = 0.0
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+
+    def _receive(self, sock: zmq.Socket, now: float) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = self._codec.decode(frames)
+                self._replay.check(message, now)
+                if message.type != "stop":
+                    raise ProtocolError(f"a {message.type} message does not travel to a rank", "schema")
+            except ProtocolError as exc:
+                self._warn(exc.reason, f"nanguard: dropped a bad message from the coordinator at "
+                           f"{self.address}: {exc}")
+                continue
+            command_id = message.body["command_id"]
+            self._control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
+            if command_id in self._delivered:
+                continue  # sent again because our ack was late: already handed on
+            self._delivered.append(command_id)
+            if self.on_stop is not None:
+                try:
+                    self.on_stop(command_id, message.body["reason"], message.body["origin"])
+                except Exception:  # noqa: BLE001 - the user's callback must not end this thread
+                    log.exception("nanguard: on_stop raised for stop command %s; the client goes on",
+                                  command_id)
+
+    def _send(self, sock: zmq.Socket, now: float) -> bool:
+        """Send control messages, a due heartbeat, queued events; True when nothing is left."""
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            return not self._control and self._carry is None and self._queue.empty()
+        while self._control:
+            type_, body = self._control[0]
+            if not self._send_one(sock, type_, body):
+                return False
+            self._control.popleft()
+        if now >= self._next_heartbeat:
+            self._send_one(sock, "heartbeat", self._heartbeat())
+            self._next_heartbeat = now + self.heartbeat_s
+        for _ in range(_BATCHES_PER_TURN):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                return False  # ZeroMQ's buffer is full: the events wait in the queue
+            batch = self._take_batch()
+            if not batch:
+                return True
+            if not self._send_events(sock, batch):
+                return False
+        return False
+
+    def _heartbeat(self) -> dict[str, Any]:
+        step, step_time_s, grad_norm = self._latest
+        if step_time_s is not None and not (math.isfinite(step_time_s) and step_time_s >= 0):
+            step_time_s = None
+        identity = self.identity
+        return {"rank": identity["rank"], "world_size": identity["world_size"], "job": identity["job"],
+                "host": identity["host"], "pid": identity["pid"], "step": step,
+                "step_time_s": step_time_s, "dropped": self.dropped, "grad_norm": json_float(grad_norm)}
+
+    def _take_batch(self) -> list[tuple[Event, str]]:
+        """Up to MAX_EVENTS queued events that share one action."""
+        batch = [self._carry] if self._carry is not None else []
+        self._carry = None
+        while len(batch) < MAX_EVENTS:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if batch and item[1] != batch[0][1]:
+                self._carry = item
+                break
+            batch.append(item)
+        return batch
+
+    def _send_events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
+        body = {"rank": self.identity["rank"], "job": self.identity["job"],
+                "events": [event.to_dict(compact=True) for event, _ in batch], "action": batch[0][1]}
+        try:
+            frames = self._codec.encode("events", body)
+        except ProtocolError:  # over MAX_BYTES: send it in two halves
+            if len(batch) == 1:
+                self._dropped_sent += 1
+                self._warn("oversized", f"nanguard: an event too large to send was dropped: {batch[0][0]}")
+                return True
+            half = len(batch) // 2
+            return self._send_events(sock, batch[:half]) and self._send_events(sock, batch[half:])
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped_sent += len(batch)
+            return False
+        return True
+
+    def _send_one(self, sock: zmq.Socket, type_: str, body: dict[str, Any]) -> bool:
+        try:
+            sock.send_multipart(self._codec.encode(type_, body), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _drop_unsent(self) -> None:
+        events = 0
+        while batch := self._take_batch():
+            events += len(batch)
+        self._dropped_sent += events
+        others = [type_ for type_, _ in self._control if type_ != "bye"]
+        if events or others:
+            log.warning("nanguard: closing with %d event(s) and %d other message(s) not sent to the "
+                        "coordinator at %s", events, len(others), self.address)
+
+    def _warn(self, key: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at.get(key, -math.inf) >= _WARN_EVERY_S:
+            self._warned_at[key] = now
+            log.warning("%s", text)

@@ -1,0 +1,105 @@
+"""``nanguard coordinator``: run the daemon until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from ..config import setting_from_env
+from ..errors import ConfigError
+from ..events import KINDS
+from .metrics import MetricsServer
+from .policy import Policy
+from .server import Coordinator
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                        help="ZeroMQ address to listen on; port 0 or * picks a free one (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=9464,
+                        help="port of the Prometheus /metrics endpoint; 0 picks a free one (default %(default)s)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint listens on (0.0.0.0: all; default %(default)s)")
+    parser.add_argument("--log", required=True, help="JSON-lines file every accepted message is appended to")
+    parser.add_argument("--job", help="serve only this job id (default: the first one a rank names)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --bind without NANGUARD_TOKEN (anyone who can reach "
+                             "the port can then stop the job)")
+    parser.add_argument("--stop-after", type=int, default=1,
+                        help="stop after non-finite values in this many distinct steps (default 1: the first)")
+    parser.add_argument("--window-s", type=float, default=60.0,
+                        help="...within this many seconds (default %(default)s)")
+    parser.add_argument("--warn-kinds", default="",
+                        help=f"comma-separated event kinds that never stop the job (of {', '.join(KINDS)})")
+    parser.add_argument("--count-skipped", action="store_true",
+                        help="count events of steps that ranks skipped (on_nan=skip) towards --stop-after")
+    parser.add_argument("--dead-after-s", type=float, default=15.0,
+                        help="a rank silent this long counts as dead (default %(default)s)")
+    parser.add_argument("--stall-after-s", type=float, default=300.0,
+                        help="an alive rank whose step has not moved this long counts as stalled "
+                             "(default %(default)s)")
+
+
+def is_loopback(bind: str) -> bool:
+    """True for addresses only this machine can reach: loopback TCP, ipc://, inproc://."""
+    if not bind.startswith("tcp://"):
+        return bind.startswith(("ipc://", "inproc://"))
+    host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface or a host name: reachable from elsewhere
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    try:
+        token = setting_from_env("token")
+        warn_kinds = tuple(k.strip() for k in args.warn_kinds.split(",") if k.strip())
+        policy = Policy(warn_kinds=warn_kinds, stop_after=args.stop_after, window_s=args.window_s,
+                        ignore_skipped=not args.count_skipped)
+    except ConfigError as exc:
+        print(f"nanguard coordinator: {exc}; not started", file=sys.stderr)
+        return 2
+    if token is None and not is_loopback(args.bind) and not args.insecure:
+        print(f"nanguard coordinator: refusing to listen on {args.bind} without a token: set "
+              "NANGUARD_TOKEN (the same on every rank), bind a loopback address, or pass --insecure",
+              file=sys.stderr)
+        return 2
+    registry = CollectorRegistry()
+    try:
+        coordinator = Coordinator(args.bind, token=token, registry=registry, log_path=args.log,
+                                  policy=policy, job=args.job, dead_after_s=args.dead_after_s,
+                                  stall_after_s=args.stall_after_s)
+    except ValueError as exc:
+        print(f"nanguard coordinator: {exc}; not started", file=sys.stderr)
+        return 2
+    try:
+        coordinator.start()
+    except OSError as exc:
+        print(f"nanguard coordinator: {exc}", file=sys.stderr)
+        return 1
+    try:
+        metrics = MetricsServer(registry, args.metrics_host, args.metrics_port)
+    except OSError as exc:
+        coordinator.close()
+        print(f"nanguard coordinator: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+              f"{exc}; stopped", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: coordinator.shutdown())
+    print(f"nanguard coordinator ready bind={coordinator.address} metrics={metrics.url} log={args.log}",
+          flush=True)
+    try:
+        coordinator.serve_forever()
+    finally:
+        metrics.close()
+    return 0
