@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,23 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+@dataclass
+class Running:
+    """A job started by ``Launcher.spawn``: ``wait(timeout)`` gives its Job."""
+
+    launcher: Launcher
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    out_dir: Path
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> Job:
+        in_time = self.launcher._finish(self.procs, timeout)
+        output = "".join(log.read_text(errors="replace") for log in self.logs)
+        if not in_time:
+            pytest.fail(f"torchrun job did not finish within {timeout}s (killed):\n{output[-6000:]}")
+        return Job([p.returncode for p in self.procs], output, self.out_dir)
+
+
 class Launcher:
     """Starts torchrun agents in fresh sessions and guarantees that they are all gone after."""
 
@@ -127,14 +146,13 @@ class Launcher:
 
     def _job(self, commands: list[tuple[list[str], dict[str, str]]], out_dir: Path,
              timeout: float) -> Job:
+        return self._spawn(commands, out_dir).wait(timeout)
+
+    def _spawn(self, commands: list[tuple[list[str], dict[str, str]]], out_dir: Path) -> Running:
         self._count += 1
         logs = [self.tmp_path / f"job{self._count}-agent{i}.log" for i in range(len(commands))]
         procs = [self._start(argv, env, log) for (argv, env), log in zip(commands, logs)]
-        in_time = self._finish(procs, timeout)
-        output = "".join(log.read_text(errors="replace") for log in logs)
-        if not in_time:
-            pytest.fail(f"torchrun job did not finish within {timeout}s (killed):\n{output[-6000:]}")
-        return Job([p.returncode for p in procs], output, out_dir)
+        return Running(self, procs, logs, out_dir)
 
     def standalone(self, script: str | Path, *args: str, nproc: int = 2,
                    timeout: float = DEFAULT_TIMEOUT, out_dir: Path | None = None,
@@ -142,13 +160,19 @@ class Launcher:
         """``torchrun --standalone --nproc-per-node N script out_dir args...`` (it picks its port).
 
         ``script`` is a file of tests/integration/workers/; it gets ``out_dir`` (a fresh folder
-        under tmp_path unless given) as its first argument and writes rank{RANK}.json there.
+        under tmp_path unless given) as its first argument and writes rank{RANK}.json there;
+        ``env`` adds environment variables.
         """
+        return self.spawn(script, *args, nproc=nproc, out_dir=out_dir, env=env).wait(timeout)
+
+    def spawn(self, script: str | Path, *args: str, nproc: int = 2, out_dir: Path | None = None,
+              env: dict[str, str] | None = None) -> Running:
+        """``standalone`` without waiting for the job."""
         out_dir = out_dir or self.tmp_path / f"out{self._count + 1}"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(nproc), "--max-restarts", "0",
                 str(WORKERS / script), str(out_dir), *args]
-        return self._job([(argv, base_env(self.tmp_path, **(env or {})))], out_dir, timeout)
+        return self._spawn([(argv, base_env(self.tmp_path, **(env or {})))], out_dir)
 
     def example(self, path: str | Path, nproc: int = 2, timeout: float = DEFAULT_TIMEOUT) -> Job:
         """Run a script of the repository (no out_dir argument) under torchrun --standalone."""
@@ -184,3 +208,93 @@ def torchrun(tmp_path):
         yield launcher
     finally:
         launcher.close()
+
+
+class CoordinatorProcess:
+    """A real ``python -m nanguard coordinator`` on a fixed loopback port (so that it can be
+    killed and started again where the ranks look for it), in its own session."""
+
+    def __init__(self, tmp_path: Path, port: int | None = None):
+        self.tmp_path = tmp_path
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.metrics_url: str | None = None
+        self._starts = 0
+
+    def start(self, *extra: str, env: dict[str, str] | None = None, timeout: float = 30) -> None:
+        self._starts += 1
+        self.log = self.tmp_path / f"coordinator{self._starts}.jsonl"
+        argv = [sys.executable, "-m", "nanguard", "coordinator", "--bind", self.address,
+                "--metrics-port", "0", "--log", str(self.log), *extra]
+        stderr = open(self.tmp_path / f"coordinator{self._starts}.err", "wb")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=base_env(self.tmp_path, **(env or {})), cwd=self.tmp_path,
+                                     start_new_session=True)
+        stderr.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""
+            if line.startswith("nanguard coordinator ready"):
+                fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+                self.metrics_url = fields["metrics"]
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.kill()
+        pytest.fail(f"the coordinator did not report ready within {timeout}s:\n"
+                    + (self.tmp_path / f"coordinator{self._starts}.err").read_text(errors="replace"))
+
+    def kill(self, sig: int = signal.SIGKILL) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait()
+        self.proc.stdout.close()
+        self.proc = None
+        return code
+
+    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """``python -m nanguard ARGS`` (an operator's command), with its output captured."""
+        return subprocess.run([sys.executable, "-m", "nanguard", *args], env=base_env(self.tmp_path),
+                              capture_output=True, text=True, timeout=timeout, cwd=self.tmp_path)
+
+    def samples(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of /metrics: {(name, sorted label pairs): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.samples().get((name, tuple(sorted(labels.items()))))
+
+    def wait_for(self, name: str, at_least: float = 1, timeout: float = 15, **labels: str) -> float:
+        """Poll /metrics until ``name{labels}`` reaches ``at_least``; fail with what it was."""
+        deadline = time.monotonic() + timeout
+        value = None
+        while time.monotonic() < deadline:
+            value = self.value(name, **labels)
+            if value is not None and value >= at_least:
+                return value
+            time.sleep(0.2)
+        pytest.fail(f"{name}{labels} was {value} after {timeout}s, expected >= {at_least}")
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    process = CoordinatorProcess(tmp_path)
+    try:
+        yield process
+    finally:
+        process.kill()

@@ -1,0 +1,116 @@
+"""Real torchrun jobs (gloo on CPU) reporting to a real coordinator subprocess over ZeroMQ.
+
+What the ranks do when the coordinator is there, asks them to stop, dies, comes back, comes
+late, or never comes; the coordinator's /metrics is read through Prometheus' text parser.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SLOW_STEPS = ("--steps", "400", "--step-sleep", "0.05")
+
+
+def wait_for_progress(progress: Path, steps: int, job, timeout: float = 60) -> None:
+    """Until rank 0 has done ``steps`` steps (the worker writes the count after every step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if progress.exists() and progress.read_text() and int(progress.read_text()) >= steps:
+            return
+        if all(p.poll() is not None for p in job.procs):
+            pytest.fail("the job ended before it made progress:\n" + job.wait(1).output[-4000:])
+        time.sleep(0.1)
+    pytest.fail(f"no progress to step {steps} within {timeout}s")
+
+
+def progress_file(tmp_path: Path) -> Path:
+    return tmp_path / "progress"
+
+
+@pytest.mark.timeout(240)
+def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinator):
+    coordinator.start()
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8",
+                              env={"NANGUARD_COORDINATOR": coordinator.address})
+    results = job.ok(world=2)
+    assert {r["error"]["event"]["step"] for r in results.values()} == {5}
+    assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") == 1
+    assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
+    assert coordinator.wait_for("nanguard_incidents_total") == 1
+    # rank 0 saw no event of its own; both ranks reported progress
+    assert coordinator.value("nanguard_nonfinite_events_total", kind="forward", rank="0") is None
+    assert coordinator.value("nanguard_rank_step", rank="0") == coordinator.value("nanguard_rank_step",
+                                                                                  rank="1")
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+
+
+@pytest.mark.timeout(240)
+def test_operator_stop_mid_run_stops_every_rank_at_one_step(torchrun, coordinator, tmp_path):
+    coordinator.start()
+    progress = progress_file(tmp_path)
+    job = torchrun.spawn("ddp_train.py", *SLOW_STEPS, "--progress-file", str(progress),
+                         env={"NANGUARD_COORDINATOR": coordinator.address})
+    wait_for_progress(progress, 5, job)
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+    stop = coordinator.cli("stop", "--reason", "maintenance window", "--coordinator", coordinator.address)
+    assert stop.returncode == 0, stop.stderr
+    results = job.wait(120).results()
+    stops = {rank: r["stop"] for rank, r in results.items()}
+    assert all(s is not None for s in stops.values()), results
+    assert len({s["step"] for s in stops.values()}) == 1, stops  # one common step
+    for rank, s in stops.items():
+        assert results[rank]["steps_done"] == s["step"] < 400
+        assert s["weights_after"] == s["weights_before"], f"rank {rank} applied the stopped step"
+    assert any("maintenance window" in s["reason"] for s in stops.values())
+    assert coordinator.wait_for("nanguard_stops_total", reason="operator") == 1
+
+
+@pytest.mark.timeout(240)
+def test_coordinator_killed_and_restarted_mid_run(torchrun, coordinator, tmp_path):
+    coordinator.start()
+    progress = progress_file(tmp_path)
+    job = torchrun.spawn("ddp_train.py", "--steps", "120", "--step-sleep", "0.05",
+                         "--warn-every-step", "--progress-file", str(progress),
+                         env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_HEARTBEAT_S": "0.2"})
+    wait_for_progress(progress, 5, job)
+    coordinator.kill()
+    time.sleep(1.0)
+    coordinator.start()  # same port, a fresh process that knows nothing of the job
+    # the ranks re-register from their heartbeats, and their new events arrive
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=20)
+    coordinator.wait_for("nanguard_warning_events_total", kind="grad_norm", rank="0", timeout=20)
+    results = job.wait(120).ok(world=2)
+    assert all(r["steps_done"] == 120 for r in results.values())  # training went on
+
+
+@pytest.mark.timeout(240)
+def test_coordinator_started_after_the_ranks_gets_them_and_their_drop_counts(torchrun, coordinator,
+                                                                               tmp_path):
+    progress = progress_file(tmp_path)
+    # a warning event every step and room for 2: while nobody listens, events are dropped
+    job = torchrun.spawn("ddp_train.py", "--steps", "150", "--step-sleep", "0.05",
+                         "--warn-every-step", "--progress-file", str(progress),
+                         env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_EVENT_QUEUE": "2",
+                              "NANGUARD_HEARTBEAT_S": "0.2"})
+    wait_for_progress(progress, 20, job)
+    coordinator.start()
+    coordinator.wait_for("nanguard_ranks_registered", at_least=2, timeout=20)
+    assert coordinator.wait_for("nanguard_events_dropped_total", rank="0", timeout=20) >= 1
+    results = job.wait(120).ok(world=2)
+    assert all(r["steps_done"] == 150 for r in results.values())
+
+
+@pytest.mark.timeout(240)
+def test_no_coordinator_at_all_the_job_is_still_guarded(torchrun, coordinator):
+    nobody = coordinator.address  # never started: nothing listens there
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", "5", "--steps", "8", env={"NANGUARD_COORDINATOR": nobody})
+    results = job.ok(world=2)
+    assert {r["error"]["event"]["step"] for r in results.values()} == {5}
+    assert all(r["error"]["incident"] for r in results.values())
