@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/ddp_nan.py
+	$(VENV)/bin/nanguard demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -23,4 +23,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) nanguard-incidents .pytest_cache
+	rm -rf $(VENV) nanguard-incidents nanguard-demo .pytest_cache

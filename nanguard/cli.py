@@ -7,9 +7,9 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .demo import main as demo
 
-    return run(steps=args.steps, bad_step=args.bad_step)
+    return demo(steps=args.steps, bad_step=args.bad_step, workdir=args.dir)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -93,9 +93,12 @@ def _stop(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanguard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a small model that goes NaN and show the report")
+    demo = commands.add_parser("demo", help="a coordinator and a 2-rank torchrun job that goes non-finite,"
+                                            " its metrics, its incident and the replay verdict")
     demo.add_argument("--steps", type=int, default=40, help="training steps to run")
-    demo.add_argument("--bad-step", type=int, default=25, help="step at which a layer produces a NaN")
+    demo.add_argument("--bad-step", type=int, default=25, help="step at which a layer overflows")
+    demo.add_argument("--dir", default="nanguard-demo",
+                      help="folder for the incident and the coordinator's log (default %(default)s)")
     demo.set_defaults(func=_demo)
     coordinator = commands.add_parser("coordinator", help="run the coordinator daemon beside a job")
     from .coordinator.main import add_arguments

@@ -1,78 +1,260 @@
-"""``nanguard demo``: a small training run whose attention scores overflow at a chosen step.
+"""``nanguard demo``: a coordinator, a 2-rank torchrun job that goes non-finite, and its replay.
 
-Runs on one process or under ``torchrun`` (gloo on CPU); only the last rank's data goes bad,
-and every rank stops at the same step with its weights as they were before that step.
+``main()`` is the whole show on one machine (gloo on CPU): it starts ``nanguard coordinator``,
+launches ``torchrun --nproc-per-node 2 -m nanguard.demo`` (``worker()``: a small transformer in
+which the last rank's feed-forward layer overflows at a chosen step), prints what the
+coordinator's ``/metrics`` saw, replays the incident with ``NANGUARD_REPLAY`` and prints the
+verdict. Every process it starts runs in its own session and is killed, whatever happens,
+before it returns.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
 
-import torch
-from torch import nn
-
-import nanguard
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.proj = nn.Linear(width, width)
-        self.gate = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.proj(h) * torch.sigmoid(self.gate(h))
+_JOB_TIMEOUT_S = 100.0
+_READY_TIMEOUT_S = 20.0
+_SHOWN_METRICS = ("nanguard_nonfinite_events_total", "nanguard_stops_total", "nanguard_ranks_alive",
+                  "nanguard_rank_step", "nanguard_incidents_total", "nanguard_events_dropped_total")
 
 
-class Model(nn.Module):
-    def __init__(self, width: int = 32, depth: int = 4, classes: int = 4):
-        super().__init__()
-        self.embed = nn.Linear(8, width)
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
-        self.head = nn.Linear(width, classes)
+# --------------------------------------------------------------------------- the training job
+def worker(steps: int = 40, bad_step: int = 25) -> int:
+    """One rank of the demo job (or a one-process run): train until the bad step stops it."""
+    import torch
+    from torch import nn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(x)))
+    import nanguard
 
+    class Model(nn.Module):
+        def __init__(self, vocab: int = 64, width: int = 32, depth: int = 2, classes: int = 4):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=64, dropout=0.1,
+                                           batch_first=True) for _ in range(depth))
+            self.head = nn.Linear(width, classes)
 
-def run(steps: int = 40, bad_step: int = 25) -> int:
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h.mean(dim=1))
+
     dist = torch.distributed
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     torch.manual_seed(0)
-    model = Model()
-    if distributed:
-        model = nn.parallel.DistributedDataParallel(model)
+    net = Model()
+    model = nn.parallel.DistributedDataParallel(net) if distributed else net
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = nanguard.init(model, optimizer)
     generator = torch.Generator().manual_seed(1 + rank)
     try:
         for step in range(steps):
-            x = torch.randn(16, 8, generator=generator)
-            y = torch.randint(0, 4, (16,), generator=generator)
+            tokens = torch.randint(0, 64, (8, 16), generator=generator)
+            labels = torch.randint(0, 4, (8,), generator=generator)
             if step == bad_step and rank == world - 1:
-                # one feature blows up: finite in the batch, Inf after the second block's gate
-                inner = model.module if distributed else model
+                # a weight row gone huge (finite): the feed-forward layer's output overflows to Inf
                 with torch.no_grad():
-                    inner.blocks[1].gate.weight[3].fill_(3e38)
-            loss = nn.functional.cross_entropy(model(x), y)
+                    net.blocks[1].linear1.weight[3].fill_(3e38)
+            loss = nn.functional.cross_entropy(model(tokens), labels)
             guard.check(loss)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        print(f"[rank {rank}] finished {steps} steps without a non-finite value")
+        print(f"[rank {rank}] finished {steps} steps without a non-finite value", flush=True)
     except nanguard.NonFiniteError as err:
-        finite = all(torch.isfinite(p).all() for n, p in model.named_parameters() if "gate" not in n)
-        print(f"[rank {rank}] stopped at step {guard.step - 1}: {err.event.where()}"
-              f"\n[rank {rank}] first event came from rank {err.event.rank}; weights untouched by"
-              f" the bad step: {finite}")
+        finite = all(torch.isfinite(p).all() for p in model.parameters())
+        # one write per report: the ranks share the terminal
+        sys.stdout.write(f"[rank {rank}] stopped at step {err.event.step}: {err.event.where()}\n"
+                         f"[rank {rank}] first event came from rank {err.event.rank}; weights finite and"
+                         f" untouched by the bad step: {finite}; incident: {err.incident}\n")
+        sys.stdout.flush()
     finally:
         guard.close()
         if distributed:
             dist.destroy_process_group()
     return 0
+
+
+# --------------------------------------------------------------------------- the show
+class _Processes:
+    """Children in their own sessions, each killed with its whole group when the show ends."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            if proc.poll() is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+
+class _Lines:
+    """A child's output lines, read by a thread, so that waiting on them has a deadline."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True,
+                                        name="nanguard-demo-output")
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def next(self, deadline: float) -> str | None:
+        """The next line, or None at the end of the output or at the deadline."""
+        try:
+            line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if line is not None:
+            self.seen.append(line)
+        return line
+
+
+def _ready(lines: _Lines, timeout_s: float) -> dict[str, str]:
+    """The coordinator's readiness line, as key=value pairs; raises if it does not come."""
+    deadline = time.monotonic() + timeout_s
+    while (line := lines.next(deadline)) is not None:
+        if line.startswith("nanguard coordinator ready"):
+            return dict(part.split("=", 1) for part in line.split() if "=" in part)
+    raise RuntimeError(f"the coordinator did not report ready within {timeout_s:.0f}s; its output:\n"
+                       + "".join(lines.seen))
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def _metrics_after_stop(url: str, wait_s: float = 10.0) -> list[str]:
+    """The demo's metric lines, once the stop has reached the coordinator."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        lines = [line for line in _scrape(url).splitlines()
+                 if line.startswith(_SHOWN_METRICS) and not line.startswith("#")]
+        if any(line.startswith("nanguard_stops_total{") for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def _torchrun(steps: int, bad_step: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "0", "-m", "nanguard.demo", "--worker", "--steps", str(steps),
+            "--bad-step", str(bad_step)]
+
+
+def _run_job(procs: _Processes, argv: list[str], env: dict[str, str], title: str) -> str:
+    print(f"\n== {title}\n$ {' '.join(argv[1:])}", flush=True)
+    job = procs.start(argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _Lines(job)
+    deadline = time.monotonic() + _JOB_TIMEOUT_S
+    while (line := lines.next(deadline)) is not None:
+        if line.startswith(("[rank", "nanguard", "  ")):
+            print("  " + line.rstrip(), flush=True)
+    if time.monotonic() >= deadline:
+        procs.stop(job, grace_s=1.0)
+        raise RuntimeError(f"{title} did not finish within {_JOB_TIMEOUT_S:.0f}s (stopped):\n"
+                           + "".join(lines.seen[-40:]))
+    job.wait()
+    if job.returncode != 0:
+        raise RuntimeError(f"{title} failed (exit code {job.returncode}):\n" + "".join(lines.seen[-40:]))
+    return "".join(lines.seen)
+
+
+def main(steps: int = 40, bad_step: int = 25, workdir: str = "nanguard-demo") -> int:
+    from .capture import IncidentError, read_incident
+    from .inspect import summary
+
+    started = time.monotonic()
+    folder = Path(workdir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    incidents = folder / "incidents"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NANGUARD_DIR=str(incidents))
+    procs = _Processes()
+    try:
+        print("== nanguard coordinator (the sidecar)", flush=True)
+        coordinator = procs.start(
+            [sys.executable, "-m", "nanguard", "coordinator", "--bind", "tcp://127.0.0.1:0",
+             "--metrics-port", "0", "--log", str(folder / "coordinator.jsonl")],
+            env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ready = _ready(_Lines(coordinator), _READY_TIMEOUT_S)
+        print(f"  ranks report to {ready['bind']}; Prometheus scrapes {ready['metrics']}", flush=True)
+
+        output = _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_COORDINATOR": ready["bind"]},
+                          f"training: 2 ranks, rank 1 overflows at step {bad_step}")
+        found = sorted(p for p in incidents.iterdir() if p.is_dir()) if incidents.is_dir() else []
+        if not found or "stopped at step" not in output:
+            raise RuntimeError("the job did not stop with an incident:\n" + output[-3000:])
+        incident = str(found[-1])
+
+        print(f"\n== what the coordinator exports ({ready['metrics']})", flush=True)
+        for line in _metrics_after_stop(ready["metrics"]):
+            print("  " + line, flush=True)
+
+        _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_REPLAY": incident},
+                 "replay: the same script with NANGUARD_REPLAY")
+        print(f"\n== nanguard inspect {incident}", flush=True)
+        print(summary(read_incident(incident)), flush=True)
+    except (RuntimeError, OSError, IncidentError, KeyError) as exc:
+        print(f"nanguard demo failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        procs.close()
+    print(f"\ndemo finished in {time.monotonic() - started:.0f}s; everything it wrote is under {folder}")
+    return 0
+
+
+def _worker_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanguard.demo")
+    parser.add_argument("--worker", action="store_true", help="run one rank of the training job")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--bad-step", type=int, default=25)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.steps, args.bad_step)
+    return main(args.steps, args.bad_step)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

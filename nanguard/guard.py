@@ -233,7 +233,8 @@ class Guard:
         """Keep an event; send it to the coordinator when this rank is the one that saw it."""
         self._events.add(event)
         client = self._client
-        if client is not None and event.rank == _rank():
+        # values another rank sent through the all-reduce are that rank's event, not this one's
+        if client is not None and event.rank == _rank() and event.extra.get("born_here", True):
             client.send_event(event, action)
 
     def _heartbeat(self) -> None:
@@ -400,9 +401,11 @@ class Guard:
     def _job_first_event(self, probe_values, owners, grads, dist, local_grads_bad) -> Event | None:
         local = (self._take_early() if self._early is not None
                  else self._local_first_event(probe_values, owners, grads))
-        if local is not None and local.kind == "grad" and self._detector.watches_buckets:
+        from_gradients = local is not None and "bad_params" in local.extra
+        if from_gradients and self._detector.watches_buckets:
             local.extra["born_here"] = local_grads_bad
             if not local_grads_bad:
+                local.kind = "grad"  # not this rank's loss: what the all-reduce brought in
                 local.message += ("; this rank's own gradients were finite before DDP's"
                                   " all-reduce: another rank sent the non-finite values")
         if dist is None:

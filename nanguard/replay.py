@@ -217,8 +217,11 @@ class Replay:
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
         self._names = plain_name(root)
+        traced = set()
         for module, name in self._names.items():
-            self._handles.append(module.register_forward_hook(self._forward_trace(name)))
+            if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
+                traced.add(name)
+                self._handles.append(module.register_forward_hook(self._forward_trace(name)))
         names = {id(p): n for n, p in _unwrap_named_parameters(root)}
         for param in root.parameters():
             if param.requires_grad:

@@ -176,17 +176,61 @@ def test_fsdp2_forward_nan_stops_every_rank_before_the_update(torchrun):
 
 
 @pytest.mark.timeout(180)
-def test_make_demo_main_job(torchrun):
-    """`make demo`: examples/ddp_nan.py under torchrun with 2 processes."""
+def test_example_ddp_nan(torchrun):
+    """examples/ddp_nan.py under torchrun with 2 processes, no coordinator."""
     job = torchrun.example("examples/ddp_nan.py", nproc=2)
     assert job.returncodes == [0], job.output[-6000:]
     for rank in (0, 1):
         assert re.search(rf"^\[rank {rank}\] stopped at step 25: ", job.output, re.M), job.output
-        assert f"[rank {rank}] first event came from rank 1; weights untouched by the bad step: True" \
-            in job.output
-    report = "non-finite output in blocks.1.gate (Linear) at step 25, rank 1"
+        assert (f"[rank {rank}] first event came from rank 1; weights finite and untouched by the bad"
+                " step: True") in job.output
+    report = "non-finite output in blocks.1.linear1 (Linear) at step 25, rank 1"
     report_lines = [line for line in job.output.splitlines() if line.startswith(f"nanguard: {report}")]
     assert len(report_lines) == 1, job.output
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of this user's processes whose environment holds ``marker``."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.timeout(200)
+def test_nanguard_demo_the_main_job(tmp_path):
+    """`make demo` = `nanguard demo`: coordinator, 2-rank job, metrics, incident, replay verdict;
+    under two minutes on 2 cores, and nothing left running."""
+    import os
+    import subprocess
+
+    folder = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                       env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "nanguard", "demo", "--dir", str(folder)], env=env,
+                         capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    out = run.stdout
+    assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
+    assert re.search(r"^  \[rank 0\] stopped at step 25: ", out, re.M), out
+    assert re.search(r"^  \[rank 1\] stopped at step 25: ", out, re.M), out
+    assert "non-finite output in blocks.1.linear1 (Linear) at step 25, rank 1" in out
+    assert 'nanguard_nonfinite_events_total{kind="forward",rank="1"} 1.0' in out
+    assert 'nanguard_stops_total{reason="nonfinite"} 1.0' in out
+    assert re.search(r"replay of \S+ \(step 25\): reproducible", out), out
+    (incident,) = (folder / "incidents").iterdir()
+    from nanguard import capture
+
+    assert capture.read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
+    assert _processes_with(str(folder)) == [], "the demo left processes behind"
 
 
 def replay_job(torchrun, incident: str, *args: str):
