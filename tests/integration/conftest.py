@@ -229,7 +229,7 @@ class CoordinatorProcess:
                 "--metrics-port", "0", "--log", str(self.log), *extra]
         stderr = open(self.tmp_path / f"coordinator{self._starts}.err", "wb")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                     env=base_env(self.tmp_path, **(env or {})), cwd=self.tmp_path,
+                                     env=self.env(**(env or {})), cwd=self.tmp_path,
                                      start_new_session=True)
         stderr.close()
         deadline = time.monotonic() + timeout
@@ -262,9 +262,14 @@ class CoordinatorProcess:
         self.proc = None
         return code
 
-    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process of the test (no NANGUARD_* of the caller's)."""
+        return base_env(self.tmp_path, **extra)
+
+    def cli(self, *args: str, timeout: float = 30, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
         """``python -m nanguard ARGS`` (an operator's command), with its output captured."""
-        return subprocess.run([sys.executable, "-m", "nanguard", *args], env=base_env(self.tmp_path),
+        return subprocess.run([sys.executable, "-m", "nanguard", *args], env=self.env(**(env or {})),
                               capture_output=True, text=True, timeout=timeout, cwd=self.tmp_path)
 
     def samples(self) -> dict[tuple[str, tuple], float]:

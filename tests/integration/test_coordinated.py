@@ -114,3 +114,72 @@ def test_no_coordinator_at_all_the_job_is_still_guarded(torchrun, coordinator):
     results = job.ok(world=2)
     assert {r["error"]["event"]["step"] for r in results.values()} == {5}
     assert all(r["error"]["incident"] for r in results.values())
+
+
+@pytest.mark.timeout(240)
+def test_token_authenticates_ranks_and_a_wrong_token_is_refused(torchrun, coordinator):
+    coordinator.start(env={"NANGUARD_TOKEN": "s3cret"})
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
+                              "--fault-step", "3", "--steps", "6",
+                              env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_TOKEN": "s3cret"})
+    job.ok(world=2)
+    assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") == 1
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+    # a job with the wrong token: every message refused, nothing registered, nothing stopped
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "0",
+                              "--fault-step", "3", "--steps", "6",
+                              env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_TOKEN": "wrong"})
+    job.ok(world=2)  # the job is guarded locally all the same
+    assert coordinator.wait_for("nanguard_bad_messages_total", at_least=1) >= 1
+    assert coordinator.value("nanguard_bad_message_reasons_total", reason="unauthenticated") >= 1
+    assert coordinator.value("nanguard_nonfinite_events_total", kind="forward", rank="0") is None
+    status = coordinator.cli("status", "--json", "--coordinator", coordinator.address)
+    assert status.returncode != 0  # no token: the operator is refused too (it times out)
+    status = coordinator.cli("status", "--json", "--coordinator", coordinator.address,
+                             env={"NANGUARD_TOKEN": "s3cret"})
+    assert status.returncode == 0, status.stderr
+
+
+SINGLE_PROCESS = """
+import sys, time, torch, nanguard
+from torch import nn
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+guard = nanguard.init(model, opt)
+try:
+    for step in range(100000):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            print("running", flush=True)
+        time.sleep(0.02)
+except nanguard.StopRequested as err:
+    print(f"stopped at step {err.step}: {err.reason}", flush=True)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stop_without_torch_distributed_at_the_next_step(coordinator, tmp_path):
+    import subprocess
+    import sys
+
+    coordinator.start()
+    script = tmp_path / "single.py"
+    script.write_text(SINGLE_PROCESS)
+    env = {**coordinator.env(), "NANGUARD_COORDINATOR": coordinator.address}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        coordinator.wait_for("nanguard_ranks_alive", at_least=1)
+        stop = coordinator.cli("stop", "--reason", "drain", "--coordinator", coordinator.address)
+        assert stop.returncode == 0, stop.stderr
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "drain" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
