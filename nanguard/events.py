@@ -149,13 +149,24 @@ class Event:
         return f"{self.where()}: {self.detail()}"
 
 
-_INT_FIELDS = ("rank", "step", "micro_batch", "numel", "bad_count", "nan_count", "inf_count")
-_FLOAT_FIELDS = ("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm")
-_STR_FIELDS = ("layer", "module_type", "host", "message")
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Event))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Event) if f.default is not dataclasses.MISSING}
 _DEFAULTS["extra"] = {}
+_REQUIRED = ("kind", "rank", "step", "layer")
+# what each checked field must hold; the others (flags, dtype, time) are taken as they come
+_INT, _OPTIONAL_INT, _FLOAT, _STR, _INTS, _OBJECT = range(6)
+_CHECKS = {
+    "rank": _INT, "step": _INT,
+    **dict.fromkeys(("micro_batch", "numel", "bad_count", "nan_count", "inf_count"), _OPTIONAL_INT),
+    **dict.fromkeys(("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"), _FLOAT),
+    **dict.fromkeys(("layer", "module_type", "host", "message"), _STR),
+    "shape": _INTS, "first_index": _INTS, "extra": _OBJECT,
+}
 _INT_TYPE = frozenset((int,))
+
+
+def _is_int(value: Any) -> bool:
+    return value.__class__ is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def event_values(data: Any) -> dict[str, Any]:
@@ -165,36 +176,73 @@ def event_values(data: Any) -> dict[str, Any]:
     ``Event.from_dict`` is this plus the constructor; the coordinator, which needs no Event
     objects, validates with this alone (the constructor costs more than the checks).
     """
+    if data.__class__ is dict:
+        # Most of the checks depend only on which fields are there and the types of their
+        # values; a (names, types) pair seen valid before leaves a few value checks to do.
+        signature = (tuple(data), tuple(map(type, data.values())))
+        plan = _PLANS.get(signature)
+        if plan is not None:
+            if data["kind"] not in KINDS:
+                raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+            values = dict(data)
+            for name, check in plan:
+                values[name] = _check_value(check, name, data[name])
+            return values
+    values = _checked_values(data)
+    if data.__class__ is dict and len(_PLANS) < _MAX_PLANS:
+        _PLANS[signature] = tuple((name, check) for name, check in _CHECKS.items()
+                                  if name in data and _needs_value_check(check, data[name]))
+    return values
+
+
+_MAX_PLANS = 1024
+_PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], tuple[tuple[str, int], ...]] = {}
+"""field names and value types of valid events -> the fields whose values still need a look"""
+
+
+def _needs_value_check(check: int, value: Any) -> bool:
+    """Whether a valid value of this type could be followed by an invalid one of the same type."""
+    return (check == _FLOAT and value.__class__ is not float and value is not None) or (
+        check == _INTS and value is not None)
+
+
+def _check_value(check: int, name: str, value: Any) -> Any:
+    """One field's value, checked (ProtocolError) and converted to what Event holds."""
+    if check == _INT or check == _OPTIONAL_INT:
+        if not _is_int(value) and (value is not None or check == _INT):
+            raise ProtocolError(f"event field {name}={value!r} is not an integer")
+    elif check == _FLOAT:
+        if value.__class__ is not float and value is not None:
+            return read_float(value, name)
+    elif check == _STR:
+        if not isinstance(value, str):
+            raise ProtocolError(f"event field {name}={value!r} is not a string")
+    elif check == _INTS:
+        if value is not None:
+            if not isinstance(value, (list, tuple)) or not _INT_TYPE.issuperset(map(type, value)):
+                raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
+            return tuple(value)
+    elif not isinstance(value, dict):
+        raise ProtocolError(f"event field {name} is not an object")
+    return value
+
+
+def _checked_values(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ProtocolError(f"an event must be a JSON object, got {type(data).__name__}")
     if not _FIELD_NAMES.issuperset(data):
         unknown = set(data) - _FIELD_NAMES
         raise ProtocolError(f"event has unknown field(s): {', '.join(sorted(map(str, unknown)))}")
-    for required in ("kind", "rank", "step", "layer"):
+    for required in _REQUIRED:
         if required not in data:
             raise ProtocolError(f"event is missing the field {required!r}")
     if data["kind"] not in KINDS:
         raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
     values = dict(data)
-    for name in _INT_FIELDS:
-        value = values.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ProtocolError(f"event field {name}={value!r} is not an integer")
-    for name in _FLOAT_FIELDS:
-        value = values.get(name)
-        if value is not None:
-            values[name] = read_float(value, name)
-    for name in ("shape", "first_index"):
-        value = values.get(name)
-        if value is not None:
-            if not isinstance(value, (list, tuple)) or not _INT_TYPE.issuperset(map(type, value)):
-                raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
-            values[name] = tuple(value)
-    for name in _STR_FIELDS:
-        if name in values and not isinstance(values[name], str):
-            raise ProtocolError(f"event field {name}={values[name]!r} is not a string")
-    if "extra" in values and not isinstance(values["extra"], dict):
-        raise ProtocolError("event field extra is not an object")
+    for name, value in data.items():
+        check = _CHECKS.get(name)
+        if check is not None:
+            values[name] = _check_value(check, name, value)
     return values
 
 

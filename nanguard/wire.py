@@ -113,13 +113,15 @@ def _list(item: Check, min_len: int, max_len: int) -> Check:
         if not isinstance(value, list) or not min_len <= len(value) <= max_len:
             size = len(value) if isinstance(value, list) else _short(value)
             raise ValueError(f": expected a list of {min_len} to {max_len} items, got {size}")
-        out = []
-        for index, element in enumerate(value):
-            try:
-                out.append(item(element))
-            except ValueError as exc:
-                raise ValueError(f"[{index}]{exc}") from None
-        return out
+        try:
+            return [item(element) for element in value]
+        except ValueError:
+            for index, element in enumerate(value):  # again, slowly, to say which item
+                try:
+                    item(element)
+                except ValueError as exc:
+                    raise ValueError(f"[{index}]{exc}") from None
+            raise
     return check
 
 

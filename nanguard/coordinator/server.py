@@ -20,7 +20,9 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, BinaryIO
 
 import zmq
@@ -38,6 +40,7 @@ log = logging.getLogger("nanguard.coordinator")
 
 _DRAIN = 512
 """messages handled between two looks at the clock-driven work (timers, log flush)"""
+_RCVHWM = 4
 _TICK_S = 0.5
 """how often liveness is recomputed"""
 _FSYNC_S = 1.0
@@ -147,13 +150,20 @@ class Coordinator:
         """Open the log, bind the socket (errors are raised here) and start the loop thread."""
         if self._thread is not None:
             raise RuntimeError("coordinator already started")
-        self._log = open(self.log_path, "ab", buffering=1 << 20)
+        try:
+            self._log = open(self.log_path, "ab", buffering=1 << 20)
+        except OSError as exc:
+            raise OSError(f"coordinator cannot open its log {self.log_path}: {exc.strerror}; "
+                          "nothing was started") from exc
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             # a frame above this never reaches Python (ZeroMQ drops the connection); frames
             # between MAX_BYTES and this are read and counted as oversized
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
+            # messages held per rank before TCP pushes back on it: bounds memory when many
+            # ranks flood at once (the ranks' own queues then fill and count what they drop)
+            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(self.bind)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -322,11 +332,9 @@ class Coordinator:
     def _on_events(self, state: RankState, body: dict[str, Any], identity: bytes, now: float) -> None:
         events = body["events"]
         state.events += len(events)
-        kinds: dict[str, int] = {}
-        for event in events:
-            kinds[event["kind"]] = kinds.get(event["kind"], 0) + 1
+        kinds = Counter(map(itemgetter("kind"), events))
         self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()})
-        if self._stop is None:
+        if self._stop is None and not self.policy.stop_kinds.isdisjoint(kinds):
             action = body.get("action")
             for event in events:
                 decision = self.policy.observe(event["kind"], event["rank"], event["step"],
@@ -403,8 +411,14 @@ class Coordinator:
         stop = self._stop
         frames = self._codec.encode("stop", {"command_id": stop.command_id, "reason": stop.reason,
                                              "origin": stop.origin})
+        # the fan-out's cost is this loop: plain sends, no list per rank (send_multipart's)
+        send, more = self._socket.send, zmq.SNDMORE
+        *head, last = frames
         for state in targets:
-            self._socket.send_multipart([state.routing_id, *frames])
+            send(state.routing_id, more)
+            for frame in head:
+                send(frame, more)
+            send(last)
         self._next_resend = now + self.resend_s
 
     def _resend(self, now: float) -> None:

@@ -145,6 +145,8 @@ def test_mac_is_hmac_sha256_of_the_payload():
     ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), layer="x" * 2000)]))],
      "schema", ".events[0].layer"),
     ([envelope("events", dict(BODIES["events"], events=["forward"]))], "schema", "must be a JSON object"),
+    ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), rank=None)]))],
+     "schema", "rank=None is not an integer"),
     ([envelope("stopped", dict(BODIES["stopped"], reason="bored"))], "schema", ".reason"),
     ([envelope("stop", dict(BODIES["stop"], reason="r" * 501))], "schema", ".reason"),
     ([envelope("stop", dict(BODIES["stop"], origin="rank"))], "schema", ".origin"),
@@ -244,3 +246,41 @@ def test_encode_refuses_unknown_types_and_nan():
         codec.encode("reboot", {})
     with pytest.raises(ValueError):
         codec.encode("heartbeat", dict(BODIES["heartbeat"], grad_norm=math.nan))
+
+
+def _mutations(value, rng):
+    """``value`` with one field, item or value somewhere inside replaced by something odd."""
+    odd = [None, True, -1, 2**70, 1.5, "", "x" * 600, "nan", [], {}, [1, "a"], {"k": None}]
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(sorted(value))
+        out = dict(value)
+        if rng.random() < 0.15:
+            del out[key]
+        else:
+            out[key] = _mutations(value[key], rng)
+        return out
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        out = list(value)
+        index = rng.randrange(len(out))
+        out[index] = _mutations(out[index], rng)
+        return out
+    return rng.choice(odd)
+
+
+def test_fuzzed_messages_raise_only_protocol_errors():
+    import random
+
+    rng = random.Random(1234)
+    codec = Codec("fuzz", None)
+    for _ in range(3000):
+        type_ = rng.choice(TYPES)
+        envelope_ = json.loads(envelope(type_))
+        mutated = _mutations(envelope_, rng)
+        payload = json.dumps(mutated).encode()
+        if rng.random() < 0.2:  # and some byte-level damage
+            cut = rng.randrange(len(payload))
+            payload = payload[:cut] + bytes([rng.randrange(256)]) + payload[cut + 1:]
+        try:
+            codec.decode([payload])
+        except ProtocolError as exc:
+            assert exc.reason in REASONS
