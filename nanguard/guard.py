@@ -305,16 +305,35 @@ class Guard:
         elif self._detector.pending >= self.settings.max_pending:
             self._settle_early()
 
-    def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:
-            return
+            return None
+        # args holds the optimizer itself first, then step()'s own arguments
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # optimizer.step(closure) (Lightning, LBFGS) runs the forward and backward inside
+            # the step, after this hook: decide once the closure has run, before the update.
+            def guarded_closure():
+                loss = closure()
+                self._step_decision(optimizer, count=not calls)
+                calls.append(1)  # LBFGS calls the closure several times in one step
+                return loss
+
+            calls: list[int] = []
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": guarded_closure}
+            return (args[0], guarded_closure, *args[2:]), kwargs
+        self._step_decision(optimizer)
+        return None
+
+    def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True) -> None:
         self._optimizer_seen = True
         self._stepped = True
         if self._replay is not None:
             self._replay.load_optimizers([optimizer], {})
         if self._primary is None:
             self._primary = weakref.ref(optimizer)
-        primary = self._primary() is optimizer
+        primary = self._primary() is optimizer and count
         # With several optimizers, the first one to step counts the steps; another one stepping
         # after it in the same iteration (its probes already read) belongs to that same step.
         self._index = self._step if primary or self._detector.pending else max(self._step - 1, 0)

@@ -174,10 +174,14 @@ class Launcher:
                 str(WORKERS / script), str(out_dir), *args]
         return self._spawn([(argv, base_env(self.tmp_path, **(env or {})))], out_dir)
 
-    def example(self, path: str | Path, nproc: int = 2, timeout: float = DEFAULT_TIMEOUT) -> Job:
-        """Run a script of the repository (no out_dir argument) under torchrun --standalone."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc), "--max-restarts", "0", str(REPO / path)]
+    def example(self, path: str | Path, *args: str, nproc: int = 2,
+                timeout: float = DEFAULT_TIMEOUT) -> Job:
+        """Run a script of the repository (no out_dir argument) under torchrun --standalone;
+        ``nproc=0``: with plain python, one process."""
+        launch = [sys.executable] if nproc == 0 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+        argv = [*launch, str(REPO / path), *args]
         return self._job([(argv, base_env(self.tmp_path))], self.tmp_path, timeout)
 
     def multi_node(self, script: str, *args: str, nnodes: int = 2,

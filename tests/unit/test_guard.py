@@ -1,5 +1,6 @@
 """End-to-end behaviour of one guard in one process."""
 
+import copy
 import dataclasses
 import math
 
@@ -555,3 +556,33 @@ def test_grad_scaler_given_to_init_still_skips_overflows_but_stops_on_a_forward_
         assert step == 35  # the overflowing steps before it did not stop the run
         assert info.value.event.layer == "2" and info.value.event.kind == "forward"
     assert "update" not in vars(scaler)  # close() gave the scaler its own update() back
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1),
+    lambda params: torch.optim.LBFGS(params, max_iter=3),  # calls the closure several times a step
+], ids=["sgd", "lbfgs"])
+def test_step_with_a_closure_is_decided_after_the_closure(make_optimizer):
+    """optimizer.step(closure) runs forward and backward after the step pre-hook (Lightning's
+    automatic optimization does this): the decision must wait for the closure."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = make_optimizer(model.parameters())
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(6):
+                x = torch.randn(6, 4)
+                if step == 3:
+                    x[0, 0] = float("nan")
+
+                def closure():
+                    optimizer.zero_grad()
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    return loss
+
+                saved = copy.deepcopy(model.state_dict())
+                optimizer.step(closure)
+        assert step == 3 and info.value.event.step == 3 and guard.step == 4
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved[name]), f"{name} was updated by the bad step"
