@@ -142,6 +142,8 @@ class Client:
         self._control_message("bye", {})
         self._close_deadline = time.monotonic() + 0.8 * timeout_s
         self._stopping.set()
+        if thread is threading.current_thread():
+            return  # from on_stop: the thread ends when the callback returns
         thread.join(timeout_s)
         if thread.is_alive():
             log.warning("nanguard client thread did not stop within %.1f s; it is a daemon thread "
@@ -289,12 +291,13 @@ class Client:
                 "events": [event.to_dict(compact=True) for event, _ in batch], "action": batch[0][1]}
         try:
             frames = self._codec.encode("events", body)
-        except ProtocolError:  # over MAX_BYTES: send it in two halves
+        except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold
             if len(batch) == 1:
                 self._dropped_sent += 1
-                self._warn("oversized", f"nanguard: an event too large to send was dropped: {batch[0][0]}")
+                self._warn("unsendable", f"nanguard: an event that cannot be sent to the coordinator "
+                           f"was dropped ({exc}): {batch[0][0]}")
                 return True
-            half = len(batch) // 2
+            half = len(batch) // 2  # halves until the culprit is alone
             return self._send_events(sock, batch[:half]) and self._send_events(sock, batch[half:])
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
@@ -304,8 +307,15 @@ class Client:
         return True
 
     def _send_one(self, sock: zmq.Socket, type_: str, body: dict[str, Any]) -> bool:
+        """False when it could not be sent now; a message that cannot be encoded is dropped."""
         try:
-            sock.send_multipart(self._codec.encode(type_, body), zmq.NOBLOCK)
+            frames = self._codec.encode(type_, body)
+        except (TypeError, ValueError) as exc:
+            self._warn(type_, f"nanguard: a {type_} message for the coordinator cannot be encoded "
+                       f"({exc}); it is dropped")
+            return True
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
