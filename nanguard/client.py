@@ -149,6 +149,13 @@ class Client:
             log.warning("nanguard client thread did not stop within %.1f s; it is a daemon thread "
                         "and ends with the process", timeout_s)
 
+    def __enter__(self) -> Client:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _control_message(self, type_: str, fields: dict[str, Any]) -> None:
         if len(self._control) >= _MAX_CONTROL:
             log.warning("nanguard: %d messages to the coordinator at %s wait unsent; this %s message "

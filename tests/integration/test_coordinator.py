@@ -6,6 +6,7 @@ closed and every socket closed with linger 0. Waits are polls under generous dea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -151,21 +152,16 @@ def coordinators(tmp_path):
 
 @pytest.fixture
 def clients():
-    made: list[Client] = []
+    """``clients(address, rank, ...)``: a started Client of job JOB, closed when the test ends."""
+    with contextlib.ExitStack() as stack:
+        def make(address: str, rank: int, *, token: str | None = None, heartbeat_s: float = 0.2,
+                 **kwargs) -> Client:
+            identity = {"rank": rank, "local_rank": rank, "world_size": 4, "host": "testhost",
+                        "pid": 1000 + rank, "job": JOB, "device": "cpu", "version": "test"}
+            return stack.enter_context(Client(address, token=token, identity=identity,
+                                              heartbeat_s=heartbeat_s, **kwargs))
 
-    def make(address: str, rank: int, *, token: str | None = None, job: str = JOB, world_size: int = 4,
-             **kwargs) -> Client:
-        kwargs.setdefault("heartbeat_s", 0.2)
-        identity = {"rank": rank, "local_rank": rank, "world_size": world_size, "host": "testhost",
-                    "pid": 1000 + rank, "job": job, "device": "cpu", "version": "test"}
-        client = Client(address, token=token, identity=identity, **kwargs)
-        made.append(client)
-        client.start()
-        return client
-
-    yield make
-    for client in made:
-        client.close(timeout_s=1.0)
+        yield make
 
 
 @pytest.fixture

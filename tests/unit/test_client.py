@@ -1,5 +1,6 @@
 """The rank-side client against a bare ROUTER socket in this process (the test plays coordinator)."""
 
+import contextlib
 import threading
 import time
 
@@ -60,19 +61,10 @@ def coordinator():
 
 @pytest.fixture
 def make_client():
-    made = []
-
-    def make(address, **kwargs):
-        kwargs.setdefault("token", None)
-        kwargs.setdefault("identity", IDENTITY)
-        client = Client(address, **kwargs)
-        made.append(client)
-        client.start()
-        return client
-
-    yield make
-    for client in made:
-        client.close(timeout_s=1.0)
+    """Started clients, each closed when the test ends (a client is a context manager)."""
+    with contextlib.ExitStack() as clients:
+        yield lambda address, token=None, **kw: clients.enter_context(
+            Client(address, token=token, identity=IDENTITY, **kw))
 
 
 def event(step, kind="grad_norm", **kw):
