@@ -36,9 +36,12 @@ def _ask(args: argparse.Namespace, type_: str, body: dict):
         return 2
     try:
         return request(address, token, type_, body, timeout_s=args.timeout_s)
-    except (CoordinatorUnreachable, ProtocolError, ValueError) as exc:
+    except (CoordinatorUnreachable, ProtocolError) as exc:
         print(f"nanguard {args.command}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -30,6 +30,8 @@ def request(address: str, token: str | None, type_: str, body: dict[str, Any], *
     """
     if type_ not in REPLIES:
         raise ValueError(f"{type_!r} is not an operator request; one of {', '.join(REPLIES)}")
+    if not address.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"coordinator address {address!r} must look like tcp://host:port")
     codec = Codec(f"operator@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}", token,
                   max_bytes=MAX_STATUS_BYTES)
     frames = codec.encode(type_, body)
