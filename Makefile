@@ -1,11 +1,12 @@
-# Two commands on a fresh machine: `make demo` (the main job) and `make test`.
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`
+# (`make tools` first installs the tools that the deploy tests check against; .ci/run does).
 # Each creates .venv and installs what it needs into it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Debian's prometheus, alertmanager and shellcheck, which the deploy tests run (root, apt-get)
+tools:
+	.ci/install-tools
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
