@@ -18,7 +18,7 @@ the real wire protocol through ``nanguard.wire.Codec``.
 3. the coordinator's peak RSS (VmHWM) and CPU seconds, from /proc.
 
     python benchmarks/coordinator_load.py              # 1,024 ranks, about a minute
-    python benchmarks/coordinator_load.py --quick      # a smoke run, about 20 s
+    python benchmarks/coordinator_load.py --quick      # a smoke run, about 25 s
     python benchmarks/coordinator_load.py --json out.json
 """
 
