@@ -106,6 +106,8 @@ class Client:
     def send_event(self, event: Event, action: str) -> bool:
         """Queue an event with what this rank does about it (raise, skip, warn). False when the
         queue is full: the event is dropped and counted."""
+        if action not in ACTIONS:
+            raise ValueError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
         try:
             self._queue.put_nowait((event, action))
             return True

@@ -19,7 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
 
-from ..events import KINDS, STOP_KINDS
+from ..events import STOP_KINDS
 
 STOP_REASONS = ("nonfinite", "policy", "operator")
 BAD_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema",

@@ -170,3 +170,10 @@ def test_token_is_used(make_client):
         assert fake.until("hello")[1].sender.startswith("rank3@node1:4242:")
     finally:
         fake.close()
+
+
+def test_send_event_checks_the_action():
+    client = Client("tcp://127.0.0.1:1", token=None, identity=IDENTITY)  # never started
+    with pytest.raises(ValueError, match="action 'explode'"):
+        client.send_event(event(0), "explode")
+    assert client.send_event(event(0), "skip")
