@@ -141,6 +141,8 @@ class Client:
         thread = self._thread
         if thread is None or self._stopping.is_set():
             return
+        # the last step reached, which a heartbeat period may not have shown yet, then goodbye
+        self._control.append(("heartbeat", self._heartbeat()))
         self._control_message("bye", {})
         self._close_deadline = time.monotonic() + 0.8 * timeout_s
         self._stopping.set()

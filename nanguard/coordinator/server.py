@@ -438,7 +438,7 @@ class Coordinator:
     # --- time-driven ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        alive = stalled = 0
+        alive = stalled = finished = 0
         for state in self._ranks.values():
             was_alive = state.alive
             state.alive = not state.finished and now - state.last_seen <= self.dead_after_s
@@ -447,7 +447,8 @@ class Coordinator:
                 log.warning("rank %d is dead: nothing heard for %.0f s", state.rank, now - state.last_seen)
             alive += state.alive
             stalled += state.stalled
-        self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled)
+            finished += state.finished
+        self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled, finished=finished)
         self._next_tick = now + _TICK_S
 
 

@@ -45,8 +45,10 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
     assert coordinator.wait_for("nanguard_incidents_total") == 1
     # rank 0 saw no event of its own; both ranks reported progress
     assert coordinator.value("nanguard_nonfinite_events_total", kind="forward", rank="0") is None
+    # the last heartbeat, sent when the guard closes, has the last step decided clean (4)
+    assert coordinator.wait_for("nanguard_ranks_finished", at_least=2) == 2
     assert coordinator.value("nanguard_rank_step", rank="0") == coordinator.value("nanguard_rank_step",
-                                                                                  rank="1")
+                                                                                  rank="1") == 4
     assert coordinator.value("nanguard_bad_messages_total") == 0
 
 

@@ -75,9 +75,9 @@ def test_rank_gauges_and_forgetting_them(registry, metrics):
     assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="4") == 1001
     assert value(registry, "nanguard_rank_step_time_seconds", rank="4") == 0.5
     assert value(registry, "nanguard_rank_grad_norm", rank="4") == 2
-    metrics.ranks(registered=3, alive=2, stalled=1)
+    metrics.ranks(registered=4, alive=2, stalled=1, finished=1)
     assert (value(registry, "nanguard_ranks_registered"), value(registry, "nanguard_ranks_alive"),
-            value(registry, "nanguard_ranks_stalled")) == (3, 2, 1)
+            value(registry, "nanguard_ranks_stalled"), value(registry, "nanguard_ranks_finished")) == (4, 2, 1, 1)
     metrics.new_job([4, 5])
     assert value(registry, "nanguard_rank_step", rank="4") is None
 
