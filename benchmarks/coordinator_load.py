@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -338,6 +339,9 @@ def run(ranks: int, procs: int, senders: int, seconds: float, rounds: int, token
             every_rank_ms.extend(latencies)
             from_request_ms.append((max(times) - sent_at) * 1000)
         stats = coordinator.proc_stats()
+        # the coordinator's own part: its log line says how long handing every stop to ZeroMQ took
+        own_ms = [float(m.group(1)) for m in re.finditer(
+            rb"sent to \d+ rank\(s\) in ([0-9.]+) ms", Path(coordinator.stderr.name).read_bytes())]
     finally:
         for pipe in pipes:
             pipe.send(("quit",))
@@ -360,7 +364,9 @@ def run(ranks: int, procs: int, senders: int, seconds: float, rounds: int, token
                    "every_rank_p99_ms": _percentile(every_rank_ms, 99),
                    "from_request_p50_ms": _percentile(from_request_ms, 50),
                    "from_request_p99_ms": _percentile(from_request_ms, 99),
-                   "last_rank_ms": [round(v, 2) for v in last_rank_ms]},
+                   "last_rank_ms": [round(v, 2) for v in last_rank_ms],
+                   "coordinator_send_p50_ms": _percentile(own_ms, 50) if own_ms else None,
+                   "coordinator_send_p99_ms": _percentile(own_ms, 99) if own_ms else None},
         "coordinator": {**stats, "exit_code": exit_code},
     }
 
@@ -385,6 +391,9 @@ def report(result: dict) -> str:
         row(f"stop decided -> all ranks, p50 ms ({fanout['rounds']})", f"{fanout['last_rank_p50_ms']:.1f}"),
         row(f"stop decided -> all ranks, p99 ms ({fanout['rounds']})", f"{fanout['last_rank_p99_ms']:.1f}",
             f"<= {TARGETS['fanout_p99_ms']:g}", fanout["last_rank_p99_ms"] <= TARGETS["fanout_p99_ms"]),
+        row("  coordinator's part (to the last send), p50/p99",
+            "?" if fanout["coordinator_send_p50_ms"] is None else
+            f"{fanout['coordinator_send_p50_ms']:.1f} / {fanout['coordinator_send_p99_ms']:.1f}"),
         row("stop to one rank, p50 / p99 ms", f"{fanout['every_rank_p50_ms']:.1f} / "
             f"{fanout['every_rank_p99_ms']:.1f}"),
         row("stop to all from `nanguard stop` sent, p50/p99", f"{fanout['from_request_p50_ms']:.1f} / "

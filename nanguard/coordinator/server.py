@@ -405,9 +405,11 @@ class Coordinator:
         self._stop = StopCommand(secrets.token_hex(8), origin, reason[:500], now)
         self.metrics.stop(label)
         targets = [s for s in self._ranks.values() if not s.finished]
+        started = time.perf_counter()
         self._send_stop(targets, now)
-        log.warning("stopping job %s (%s): %s; command %s sent to %d rank(s)", self._job, origin,
-                    reason, self._stop.command_id, len(targets))
+        log.warning("stopping job %s (%s): %s; command %s sent to %d rank(s) in %.1f ms", self._job,
+                    origin, reason, self._stop.command_id, len(targets),
+                    (time.perf_counter() - started) * 1e3)
         self._sync_now = True  # on disk right after this batch of messages
         return self._stop
 
