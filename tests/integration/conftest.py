@@ -185,7 +185,7 @@ class Launcher:
         return self._job([(argv, base_env(self.tmp_path))], self.tmp_path, timeout)
 
     def multi_node(self, script: str, *args: str, nnodes: int = 2,
-                   timeout: float = DEFAULT_TIMEOUT) -> Job:
+                   timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> Job:
         """``nnodes`` torchrun agents (one process each) meeting through c10d rendezvous on
         localhost, as on ``nnodes`` machines; agent i runs with ``NG_TEST_NODE=i``."""
         out_dir = self.tmp_path / f"out{self._count + 1}"
@@ -197,7 +197,7 @@ class Launcher:
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                     "--rdzv-id", f"nanguard-test-{os.getpid()}-{self._count}",
                     str(WORKERS / script), str(out_dir), *args]
-            commands.append((argv, base_env(self.tmp_path, NG_TEST_NODE=str(node))))
+            commands.append((argv, base_env(self.tmp_path, NG_TEST_NODE=str(node), **(env or {}))))
         return self._job(commands, out_dir, timeout)
 
     def close(self) -> None:

@@ -185,3 +185,19 @@ def test_stop_without_torch_distributed_at_the_next_step(coordinator, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_report_to_one_coordinator(torchrun, coordinator):
+    """Two torchrun agents (c10d rendezvous, as on two machines) with one coordinator: both
+    nodes' ranks register, and the stop is counted once for the job."""
+    coordinator.start()
+    job = torchrun.multi_node("ddp_train.py", "--fault", "forward", "--fault-node", "1",
+                              "--fault-step", "4", "--steps", "6",
+                              env={"NANGUARD_COORDINATOR": coordinator.address})
+    results = job.ok(world=2)
+    assert {r["error"]["event"]["step"] for r in results.values()} == {4}
+    assert coordinator.wait_for("nanguard_ranks_registered", at_least=2) == 2
+    faulty = next(rank for rank, r in results.items() if r["faulty"])
+    assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank=str(faulty)) == 1
+    assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1

@@ -233,12 +233,12 @@ def test_nanguard_demo_the_main_job(tmp_path):
     assert _processes_with(str(folder)) == [], "the demo left processes behind"
 
 
-def replay_job(torchrun, incident: str, *args: str):
+def replay_job(torchrun, incident: str, *args: str, script: str = "ddp_train.py"):
     """Run the unchanged worker again with NANGUARD_REPLAY: every rank must end with exit code 0
     at the replayed step, and the incident then holds the report."""
     from nanguard import capture
 
-    job = torchrun.standalone("ddp_train.py", *args, env={"NANGUARD_REPLAY": incident})
+    job = torchrun.standalone(script, *args, env={"NANGUARD_REPLAY": incident})
     assert job.returncodes == [0], job.output[-6000:]
     for rank, result in job.results().items():
         assert result["steps_done"] == 0, f"rank {rank} went past the replayed step"
@@ -270,3 +270,14 @@ def test_two_rank_replay_of_a_one_off_fault_is_not_reproducible(torchrun):
     assert report["verdict"] == "not_reproducible"
     assert report["first_event"] is None
     assert report["suspects"] == [{"rank": 1, "host": event["host"], "device": "cpu"}]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_replay_loads_each_ranks_shards(torchrun):
+    job = torchrun.standalone("fsdp_train.py", "--fault", "input", "--fault-rank", "1",
+                              "--fault-step", "3", "--steps", "5")
+    event = assert_common_stop(job.ok(world=2), step=3, same_weights_across_ranks=False)
+    incident = job.results()[0]["error"]["incident"]
+    _, report = replay_job(torchrun, incident, "--steps", "5", script="fsdp_train.py")
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["rank"] == 1 and report["first_event"]["layer"] == event["layer"]
