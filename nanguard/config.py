@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,19 @@ def _parse_optional_bool(text: str) -> bool | None:
 
 def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
+
+
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+def _is_address(text: Any) -> bool:
+    """A coordinator address a rank can connect to: tcp://host:port or ipc:///path."""
+    if not isinstance(text, str):
+        return False
+    if text.startswith("ipc://"):
+        return len(text) > len("ipc://")
+    match = _TCP.fullmatch(text)
+    return match is not None and 1 <= int(match.group(2)) <= 65535
 
 
 def _setting(default: Any, parse, doc: str):
@@ -98,9 +112,10 @@ class Settings:
             raise ConfigError(f"on_nan={self.on_nan!r} is not one of {', '.join(POLICIES)}")
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"dir={self.dir!r} must be a non-empty path")
-        if self.coordinator is not None and not self.coordinator.startswith(("tcp://", "ipc://")):
+        if self.coordinator is not None and not _is_address(self.coordinator):
             raise ConfigError(
-                f"coordinator={self.coordinator!r} must look like tcp://host:port or ipc:///path"
+                f"coordinator={self.coordinator!r} must look like tcp://host:port (port 1-65535) or"
+                " ipc:///path"
             )
         if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
             raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")

@@ -59,3 +59,18 @@ def test_setting_from_env_reads_one_variable_only():
         setting_from_env("max_events", {"NANGUARD_MAX_EVENTS": "many"})
     with pytest.raises(ConfigError, match="unknown nanguard setting"):
         setting_from_env("colour", env)
+
+
+@pytest.mark.parametrize("address", ["tcp://localhost", "tcp://127.0.0.1:99999", "tcp://:5555",
+                                     "tcp://host:0", "ipc://", "udp://host:5555", "tcp://a b:5555"])
+def test_a_coordinator_address_that_cannot_work_is_refused(address):
+    with pytest.raises(ConfigError, match="tcp://host:port"):
+        Settings.resolve({"coordinator": address}, environ={})
+    with pytest.raises(ConfigError, match="NANGUARD_COORDINATOR"):
+        Settings.resolve({}, environ={"NANGUARD_COORDINATOR": address})
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://coordinator-0.job.svc:5555",
+                                     "tcp://[::1]:5555", "ipc:///tmp/nanguard.sock"])
+def test_coordinator_addresses_that_work(address):
+    assert Settings.resolve({"coordinator": address}, environ={}).coordinator == address
