@@ -13,6 +13,7 @@ from typing import Any
 
 from .capture import Incident, IncidentError, read_incident
 from .events import Event
+from .replay import trace_lines
 
 
 def _size(n: int) -> str:
@@ -83,6 +84,10 @@ def summary(incident: Incident) -> str:
         lines.append(text)
         if replay.get("message"):
             lines.append(f"             {replay['message']}")
+        try:
+            lines += [f"trace        {line}" for line in trace_lines(replay, per_rank=2)]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            lines.append("trace        (not readable in this report)")
     if data["sharded"]:
         lines.append(f"sharded      {data['sharded']}")
     if not data["capture_batch"]:

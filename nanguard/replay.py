@@ -363,17 +363,24 @@ def render(report: dict[str, Any], path: str | None) -> str:
              f"  original: {Event.from_dict(report['original_event'])}"]
     if report["first_event"] is not None:
         lines.append(f"  replayed: {Event.from_dict(report['first_event'])}")
-    for rank, trace in sorted(report["trace"].items(), key=lambda kv: int(kv[0])):
-        for entry in trace["forward"][:3]:
-            role = "producer" if entry["inputs_finite"] else "propagator"
-            lines.append(f"  rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
-                         f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
-        for entry in trace["gradients"][:3]:
-            lines.append(f"  rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
+    lines += ["  " + line for line in trace_lines(report)]
     lines += [f"  note: {note}" for note in report["notes"]]
     if path is not None:
         lines.append(f"  saved to {path}; `nanguard inspect {os.path.dirname(path)}` shows it")
     return "\n".join(lines)
+
+
+def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
+    """The first bad values the replay's synchronous trace met, per rank, forward then backward."""
+    lines = []
+    for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
+        for entry in trace["forward"][:per_rank]:
+            role = "producer" if entry["inputs_finite"] else "propagator"
+            lines.append(f"rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
+                         f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
+        for entry in trace["gradients"][:per_rank]:
+            lines.append(f"rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
+    return lines
 
 
 def _stats(d: dict[str, Any]) -> str:

@@ -136,6 +136,10 @@ def test_deterministic_bug_is_reproducible(monkeypatch, capsys):
     assert first["output"]["bad_count"] > 0
     out = capsys.readouterr().out
     assert "reproducible" in out and err.incident in out
+    from nanguard.inspect import main as inspect_main
+
+    assert inspect_main([err.incident]) == 0
+    assert "trace        rank 0 forward: 2 (Sqrt, producer, micro-batch 0)" in capsys.readouterr().out
 
 
 def test_bad_sample_in_the_batch(monkeypatch):
