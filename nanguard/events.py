@@ -113,7 +113,9 @@ class Event:
         }[self.kind]
         if self.kind == "forward" and self.input_nonfinite:
             what = "non-finite input to"
-        subject = "" if self.kind in ("loss", "grad_norm", "spike") else f" {self.layer}"
+        # the root module's own name is empty: "the model" rather than a gap
+        name = self.layer or ("the model" if self.module_type else "")
+        subject = "" if self.kind in ("loss", "grad_norm", "spike") else f" {name}"
         if self.module_type:
             subject += f" ({self.module_type})"
         place = f"at step {self.step}, rank {self.rank}"

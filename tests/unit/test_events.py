@@ -60,3 +60,8 @@ def test_ring_is_bounded_and_thread_safe():
     for t in threads:
         t.join(timeout=10)
     assert len(log) == 10 and log.total == 4000
+
+
+def test_an_event_of_the_root_module_names_the_model():
+    event = Event(kind="forward", rank=0, step=3, layer="", module_type="LM", input_nonfinite=False)
+    assert event.where() == "non-finite output in the model (LM) at step 3, rank 0"
