@@ -253,6 +253,20 @@ def test_compose_ports_agree_with_the_prometheus_config():
                    for src, dst in mounted), f"{service} reads {inside}: not {path} mounted"
 
 
+def test_compose_file_is_valid_for_the_compose_specification():
+    """compose-spec (Python bindings of the Rust compose_spec parser) validates the file against
+    the Compose Specification without a docker daemon: unknown keys, bad ports, volumes and
+    durations are errors. It does not check that depends_on names a service; the test does."""
+    import compose_spec  # a test extra (pyproject.toml), so always there under `make test`
+
+    parsed = compose_spec.PyCompose.from_yaml(COMPOSE.read_text())
+    names = set(parsed.service_names())
+    assert names == {"coordinator", "prometheus", "alertmanager", "grafana"}
+    for name, service in load(COMPOSE)["services"].items():
+        needs = service.get("depends_on", [])
+        assert set(needs) <= names, f"{name} depends on {set(needs) - names}, which are not services"
+
+
 def test_docker_compose_config_accepts_the_file(tmp_path):
     # optional (not a `tool`: .ci/install-tools does not install docker): the other compose tests
     # check the file without it
