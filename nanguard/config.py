@@ -164,13 +164,10 @@ class Settings:
                     value = tuple(value)
                 values[name] = value
                 continue
-            variable = "NANGUARD_" + name.upper()
-            if variable in environ:
-                try:
-                    values[name] = f.metadata["parse"](environ[variable])
-                except ValueError as exc:
-                    raise ConfigError(f"{variable}={environ[variable]!r} is invalid: {exc}") from None
-                from_env.append(variable)
+            value = _from_env(f, environ)
+            if value is not _UNSET:
+                values[name] = value
+                from_env.append(_variable(name))
         try:
             return cls(**values)
         except ConfigError as exc:
@@ -185,14 +182,26 @@ def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any
     For the coordinator daemon and the operator commands, which need only the address or the
     token: a bad value of a guard-only variable (``NANGUARD_ON_NAN``...) must not stop them.
     """
-    environ = os.environ if environ is None else environ
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     if name not in fields:
         raise ConfigError(f"unknown nanguard setting {name!r}; valid: {', '.join(sorted(fields))}")
-    variable = "NANGUARD_" + name.upper()
+    value = _from_env(fields[name], os.environ if environ is None else environ)
+    return fields[name].default if value is _UNSET else value
+
+
+_UNSET = object()
+
+
+def _variable(name: str) -> str:
+    return "NANGUARD_" + name.upper()
+
+
+def _from_env(f: dataclasses.Field, environ: Mapping[str, str]) -> Any:
+    """The field's value parsed from its ``NANGUARD_*`` variable; ``_UNSET`` when it is not set."""
+    variable = _variable(f.name)
     if variable not in environ:
-        return fields[name].default
+        return _UNSET
     try:
-        return fields[name].metadata["parse"](environ[variable])
+        return f.metadata["parse"](environ[variable])
     except ValueError as exc:
         raise ConfigError(f"{variable}={environ[variable]!r} is invalid: {exc}") from None
