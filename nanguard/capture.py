@@ -590,7 +590,7 @@ class Incident:
             return torch.load(path, map_location=map_location, weights_only=weights_only)
         except Exception as exc:
             hint = (" (it holds Python objects that weights_only loading refuses; if you trust this folder, "
-                    f"load it yourself with torch.load(..., weights_only=False))") if weights_only else ""
+                    "load it yourself with torch.load(..., weights_only=False))") if weights_only else ""
             raise IncidentError(path, f"could not be loaded: {type(exc).__name__}: {exc}{hint}") from exc
 
     def _json(self, path: str) -> Any:

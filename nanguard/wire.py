@@ -21,7 +21,6 @@ Every body is checked against its schema on decode; anything else is a ``Protoco
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import itertools
 import json
@@ -44,13 +43,10 @@ MAX_EVENTS = 256
 """the most events one ``events`` message carries"""
 MAX_RANK = 1 << 20
 """ranks are below this; world sizes at most this"""
-MAC_BYTES = hashlib.sha256().digest_size
 REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema")
 ACTIONS = ("raise", "skip", "warn")
 STOPPED_REASONS = ("nonfinite", "policy", "operator")
 ORIGINS = ("policy", "operator")
-RANK_TYPES = ("hello", "heartbeat", "events", "captured", "stopped", "ack", "bye")
-OPERATOR_TYPES = ("status_request", "stop_request")
 
 _ENVELOPE = frozenset(("v", "type", "sender", "seq", "time", "body"))
 _MAX_SENDER = 256
