@@ -58,6 +58,12 @@ def _rank() -> int:
     return _env_int("RANK", 0)
 
 
+def _world_size() -> int:
+    """The job's world size; before ``init_process_group``, what torchrun says it will be."""
+    dist = _distributed()
+    return dist.get_world_size() if dist is not None else _env_int("WORLD_SIZE", 1)
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
@@ -206,7 +212,7 @@ class Guard:
 
         local_rank = _env_int("LOCAL_RANK", 0)
         identity = {
-            "rank": _rank(), "local_rank": local_rank, "world_size": _env_int("WORLD_SIZE", 1),
+            "rank": _rank(), "local_rank": local_rank, "world_size": _world_size(),
             "host": self._host, "pid": os.getpid(),
             "job": os.environ.get("TORCHELASTIC_RUN_ID") or "local",
             "device": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu",
@@ -277,7 +283,7 @@ class Guard:
         self._roots.append(weakref.ref(root))
         slot = self._detector.attach(root, prefix)
         if self._replay is not None and next(root.parameters(), None) is not None:
-            self._replay.load_model(root, _unwrap(root))
+            self._replay.load_model(root, _unwrap(root), self._detector.param_names)
         return slot
 
     def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
@@ -313,13 +319,15 @@ class Guard:
         if callable(closure):
             # optimizer.step(closure) (Lightning, LBFGS) runs the forward and backward inside
             # the step, after this hook: decide once the closure has run, before the update.
+            first = True  # LBFGS calls the closure several times in one step: count it once
+
             def guarded_closure():
+                nonlocal first
                 loss = closure()
-                self._step_decision(optimizer, count=not calls)
-                calls.append(1)  # LBFGS calls the closure several times in one step
+                count, first = first, False
+                self._step_decision(optimizer, count=count)
                 return loss
 
-            calls: list[int] = []
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": guarded_closure}
             return (args[0], guarded_closure, *args[2:]), kwargs
@@ -373,10 +381,7 @@ class Guard:
             self._detector.reset()
             if self._early is not None:
                 self._act(self._take_early(), optimizer, collective=False)
-            if self._replay is not None:
-                self._replay.finish(None)
-            if self._stop_request is not None:
-                self._stop()
+            self._clean(stop=self._stop_request is not None)
             return
         local_stop = self._stop_request is not None
         if parts:
@@ -409,13 +414,18 @@ class Guard:
                     self._detector.reset()
                 return
         self._detector.reset()
+        self._clean(stop)
+        if norm_values:
+            self._watch_norms(norm_values, owners)
+
+    def _clean(self, stop: bool) -> None:
+        """After a step found clean: a replay ends here, the coordinator hears of the step, and
+        a requested stop is raised."""
         if self._replay is not None:
             self._replay.finish(None)
         self._heartbeat()
         if stop:
             self._stop()
-        if norm_values:
-            self._watch_norms(norm_values, owners)
 
     def _job_first_event(self, probe_values, owners, grads, dist, local_grads_bad) -> Event | None:
         local = (self._take_early() if self._early is not None
@@ -709,7 +719,8 @@ def init(model: nn.Module | None = None,
         if settings.disable:
             raise ConfigError("NANGUARD_REPLAY and NANGUARD_DISABLE are both set: a replay needs the"
                               " guard; unset one of them")
-        replay = Replay.open(settings.replay)  # checks the whole incident before touching anything
+        # checks the whole incident before touching anything
+        replay = Replay.open(settings.replay, _rank(), _world_size())
         settings = replay.forensic(settings)
     if settings.disable:
         return Guard(None, [], settings, on_stop)

@@ -45,26 +45,6 @@ _TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 _FORENSIC_DETAIL_MB = 2.0**20  # keep every checked tensor of the one replayed step
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise NanguardError(f"NANGUARD_REPLAY: {name}={text!r} is not an integer; torchrun sets it,"
-                            " so was the script started in an unusual way?") from None
-
-
-def _where() -> tuple[int, int]:
-    """(rank, world size) of this process, from torch.distributed or torchrun's variables:
-    a bare ``init()`` at the top of a script runs before ``init_process_group``."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-
-
 def _device_of(module: nn.Module) -> torch.device:
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
@@ -101,24 +81,21 @@ class Replay:
         self.state = incident.rank_state(rank)
         self.batches = incident.rank_batches(rank)
         self.rng = incident.rank_rng(rank)
-        self.environment = incident.environment(rank)
         self.notes: list[str] = []
         self.trace: dict[str, list[dict[str, Any]]] = {"forward": [], "gradients": []}
         self._forwards = 0
         self._model_loaded = False
         self._optimizers_loaded = False
         self._handles: list[Any] = []
-        self._names: dict[nn.Module, str] = {}
         if not incident.manifest["capture_batch"]:
             self.notes.append("the batch was not captured (capture_batch=False): the replay used the"
                               " script's own first batch, so it says little about the data")
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str) -> Replay:
+    def open(cls, path: str, rank: int, world: int) -> Replay:
         """Reads and checks the incident (every file's sha256) and this rank's part of it."""
         incident = capture.read_incident(path)
-        rank, world = _where()
         if world != incident.world_size:
             how = ("python SCRIPT" if incident.world_size == 1 else
                    f"torchrun with {incident.world_size} processes in all (for example "
@@ -138,42 +115,46 @@ class Replay:
         return self.state.get("optimizer") is not None
 
     # ------------------------------------------------------------------ loading
-    def load_model(self, root: nn.Module, unwrapped: nn.Module) -> None:
+    def load_model(self, root: nn.Module, unwrapped: nn.Module, param_names: dict[int, str]) -> None:
+        """Loads the captured weights into ``unwrapped`` and hooks ``root`` for the replay;
+        ``param_names``: qualified names by ``id(param)``, as the guard's reports use them."""
         if self._model_loaded:
             return
-        path = os.path.join(self.incident.path, f"rank{self.rank}", capture.STATE)
-        _check_model_state(unwrapped, self.state["model"], path)
+        _check_model_state(unwrapped, self.state["model"], self._state_path)
         with torch.no_grad():
             unwrapped.load_state_dict(self.state["model"])
         self._model_loaded = True
-        self._install(root)
+        self._install(root, param_names)
 
     def load_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
         first step), and the scaler's and scheduler's given to ``init``."""
-        path = os.path.join(self.incident.path, f"rank{self.rank}", capture.STATE)
         saved = self.state.get("optimizer")
-        if self._optimizers_loaded or not optimizers:
-            optimizers = []
-        else:
+        if optimizers and not self._optimizers_loaded:
             self._optimizers_loaded = True
-        if saved is not None and optimizers:
-            optimizer = optimizers[0]
-            if len(saved.get("param_groups", ())) != len(optimizer.param_groups):
-                raise IncidentError(path, f"holds an optimizer state with {len(saved['param_groups'])} "
-                                          f"parameter group(s); the script's {type(optimizer).__name__}"
-                                          f" has {len(optimizer.param_groups)}; nothing was loaded")
-            try:
-                optimizer.load_state_dict(saved)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise IncidentError(path, f"its optimizer state does not fit the script's "
-                                          f"{type(optimizer).__name__} ({exc})") from exc
+            if saved is not None:
+                self._load_optimizer(optimizers[0], saved)
         extra = self.state.get("extra") or {}
         for name, obj in states.items():
             if name in extra:
                 obj.load_state_dict(extra[name])
             else:
                 self.notes.append(f"no {name} state was captured; the script's own {name} was used")
+
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+        if len(saved.get("param_groups", ())) != len(optimizer.param_groups):
+            raise IncidentError(self._state_path, f"holds an optimizer state with {len(saved['param_groups'])}"
+                                                  f" parameter group(s); the script's {type(optimizer).__name__}"
+                                                  f" has {len(optimizer.param_groups)}; nothing was loaded")
+        try:
+            optimizer.load_state_dict(saved)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise IncidentError(self._state_path, f"its optimizer state does not fit the script's "
+                                                  f"{type(optimizer).__name__} ({exc})") from exc
+
+    @property
+    def _state_path(self) -> str:
+        return os.path.join(self.incident.path, f"rank{self.rank}", capture.STATE)
 
     # ------------------------------------------------------------------ feeding the step
     def first_call(self, root: nn.Module, args: tuple) -> tuple:
@@ -210,23 +191,21 @@ class Replay:
                                      "output": forensics.describe(bad)})
         return tuple(batch["args"]), dict(batch["kwargs"])
 
-    def _install(self, root: nn.Module) -> None:
+    def _install(self, root: nn.Module, param_names: dict[int, str]) -> None:
         def feed(module, args, kwargs):
             return self._feed(module, args, kwargs)
 
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
-        self._names = plain_name(root)
         traced = set()
-        for module, name in self._names.items():
+        for module, name in plain_name(root).items():
             if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
                 traced.add(name)
                 self._handles.append(module.register_forward_hook(self._forward_trace(name)))
-        names = {id(p): n for n, p in _unwrap_named_parameters(root)}
         for param in root.parameters():
             if param.requires_grad:
                 self._handles.append(param.register_post_accumulate_grad_hook(
-                    self._param_trace(names.get(id(param), "?"))))
+                    self._param_trace(param_names.get(id(param), "?"))))
 
     # ------------------------------------------------------------------ the synchronous trace
     def _record(self, kind: str, entry: dict[str, Any]) -> None:
@@ -347,13 +326,6 @@ class Replay:
         device = (devices[current] if isinstance(current, int) and 0 <= current < len(devices)
                   else (", ".join(devices) if devices else "cpu"))
         return {"rank": original.rank, "host": env.get("host") or original.host or "?", "device": device}
-
-
-def _unwrap_named_parameters(root: nn.Module):
-    names = plain_name(root)
-    for module, name in names.items():
-        for pname, param in module.named_parameters(recurse=False):
-            yield f"{name}.{pname}".lstrip("."), param
 
 
 def render(report: dict[str, Any], path: str | None) -> str:
