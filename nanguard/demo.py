@@ -91,6 +91,13 @@ def worker(steps: int = 40, bad_step: int = 25) -> int:
 
 
 # --------------------------------------------------------------------------- the show
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # pgid == pid: start_new_session made it a group leader
+    except ProcessLookupError:
+        pass
+
+
 class _Processes:
     """Children in their own sessions, each killed with its whole group when the show ends."""
 
@@ -103,21 +110,14 @@ class _Processes:
         return proc
 
     def stop(self, proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if proc.poll() is not None:
-                break
+        """SIGTERM to the process's group, SIGKILL to whatever of it is left after ``grace_s``."""
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
             try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
-        except ProcessLookupError:
-            pass
+                pass
+        _signal_group(proc, signal.SIGKILL)
         proc.wait()
 
     def close(self) -> None:

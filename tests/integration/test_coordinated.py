@@ -28,6 +28,13 @@ def wait_for_progress(progress: Path, steps: int, job, timeout: float = 60) -> N
     pytest.fail(f"no progress to step {steps} within {timeout}s")
 
 
+def stopped_at(job, step: int) -> dict[int, dict]:
+    """The ranks' results, once it is checked that every rank stopped on a NonFiniteError at ``step``."""
+    results = job.ok(world=2)
+    assert {r["error"]["event"]["step"] for r in results.values()} == {step}, results
+    return results
+
+
 def progress_file(tmp_path: Path) -> Path:
     return tmp_path / "progress"
 
@@ -38,8 +45,7 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
                               "--fault-step", "5", "--steps", "8",
                               env={"NANGUARD_COORDINATOR": coordinator.address})
-    results = job.ok(world=2)
-    assert {r["error"]["event"]["step"] for r in results.values()} == {5}
+    results = stopped_at(job, 5)
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") == 1
     assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
     assert coordinator.wait_for("nanguard_incidents_total") == 1
@@ -113,8 +119,7 @@ def test_no_coordinator_at_all_the_job_is_still_guarded(torchrun, coordinator):
     nobody = coordinator.address  # never started: nothing listens there
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
                               "--fault-step", "5", "--steps", "8", env={"NANGUARD_COORDINATOR": nobody})
-    results = job.ok(world=2)
-    assert {r["error"]["event"]["step"] for r in results.values()} == {5}
+    results = stopped_at(job, 5)
     assert all(r["error"]["incident"] for r in results.values())
 
 
@@ -195,8 +200,7 @@ def test_two_nodes_report_to_one_coordinator(torchrun, coordinator):
     job = torchrun.multi_node("ddp_train.py", "--fault", "forward", "--fault-node", "1",
                               "--fault-step", "4", "--steps", "6",
                               env={"NANGUARD_COORDINATOR": coordinator.address})
-    results = job.ok(world=2)
-    assert {r["error"]["event"]["step"] for r in results.values()} == {4}
+    results = stopped_at(job, 4)
     assert coordinator.wait_for("nanguard_ranks_registered", at_least=2) == 2
     faulty = next(rank for rank, r in results.items() if r["faulty"])
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank=str(faulty)) == 1
