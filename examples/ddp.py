@@ -43,8 +43,8 @@ def main() -> None:
         print(f"[rank {rank}] stopped before step {err.event.step}'s update; incident {err.incident}")
     finally:
         guard.close()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # the model is freed when main() returns; end the process group after it (README)
+    nanguard.destroy_process_group()

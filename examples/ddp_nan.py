@@ -8,6 +8,6 @@ beside a coordinator and replays the incident.
 
 import sys
 
-from nanguard.demo import worker
+from nanguard.demo import run_worker
 
-sys.exit(worker())
+sys.exit(run_worker())

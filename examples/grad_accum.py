@@ -45,8 +45,8 @@ def main() -> None:
         print(f"[rank {rank}] stopped: {err.event.where()}")
     finally:
         guard.close()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # the model is freed when main() returns; end the process group after it (README)
+    nanguard.destroy_process_group()

@@ -48,4 +48,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # the model is freed when main() returns; end the process group after it (README)
+    nanguard.destroy_process_group()

@@ -4,6 +4,7 @@
 daemon and the operator commands, which share this package, never import torch.
 """
 
+from ._dist import destroy_process_group
 from .errors import (
     ConfigError,
     GuardClosedError,
@@ -23,6 +24,7 @@ __all__ = [
     "NonFiniteError",
     "ProtocolError",
     "StopRequested",
+    "destroy_process_group",
     "init",
 ]
 __version__ = "0.1.0"

@@ -85,9 +85,16 @@ def worker(steps: int = 40, bad_step: int = 25) -> int:
         sys.stdout.flush()
     finally:
         guard.close()
-        if distributed:
-            dist.destroy_process_group()
     return 0
+
+
+def run_worker(steps: int = 40, bad_step: int = 25) -> int:
+    """``worker()``, then the process group's end, once the model is freed (nanguard/_dist.py)."""
+    from ._dist import destroy_process_group
+
+    code = worker(steps, bad_step)
+    destroy_process_group()
+    return code
 
 
 # --------------------------------------------------------------------------- the show
@@ -252,7 +259,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bad-step", type=int, default=25)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.steps, args.bad_step)
+        return run_worker(args.steps, args.bad_step)
     return main(args.steps, args.bad_step)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import capture, forensics
+from ._dist import settle_gloo_workers
 from .config import Settings
 from .detector import Detector, grad_norms, gradients, stack
 from .capture import IncidentError
@@ -724,6 +725,9 @@ def init(model: nn.Module | None = None,
         settings = replay.forensic(settings)
     if settings.disable:
         return Guard(None, [], settings, on_stop)
+    # gloo's workers idle before Python finalizes, or one may abort the process (_dist.py says why)
+    atexit.unregister(settle_gloo_workers)
+    atexit.register(settle_gloo_workers)
     if model is None:
         with _registry_lock:
             if _global_guard is not None and not _global_guard.closed:

@@ -66,6 +66,8 @@ class Job:
         assert sorted(results) == list(range(world)), f"results for ranks {sorted(results)}:\n{tail}"
         for rank, data in results.items():
             assert data["exception"] is None, f"rank {rank} failed:\n{data['exception']}"
+            # nanguard.destroy_process_group() ended (or parked) gloo's threads before Python finalized
+            assert data["exit_safe"] is True, f"rank {rank}: gloo's threads still busy at exit:\n{tail}"
         return results
 
 
@@ -178,11 +180,15 @@ class Launcher:
                 timeout: float = DEFAULT_TIMEOUT) -> Job:
         """Run a script of the repository (no out_dir argument) under torchrun --standalone;
         ``nproc=0``: with plain python, one process."""
+        return self.spawn_example(path, *args, nproc=nproc).wait(timeout)
+
+    def spawn_example(self, path: str | Path, *args: str, nproc: int = 2) -> Running:
+        """``example`` without waiting for the job."""
         launch = [sys.executable] if nproc == 0 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), "--max-restarts", "0"]
         argv = [*launch, str(REPO / path), *args]
-        return self._job([(argv, base_env(self.tmp_path))], self.tmp_path, timeout)
+        return self._spawn([(argv, base_env(self.tmp_path))], self.tmp_path)
 
     def multi_node(self, script: str, *args: str, nnodes: int = 2,
                    timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> Job:

@@ -245,5 +245,21 @@ def run(args: argparse.Namespace, wrap) -> int:
     result["events"] = [e.to_dict() for e in guard.events]
     guard.close()
     write_json(args.out_dir, rank, result)
-    dist.destroy_process_group()
     return 0
+
+
+def main(wrap) -> int:
+    """A worker's entry point: ``run()``, then the end of the process group once run()'s model
+    is freed; whether the exit was made safe is added to the rank's JSON."""
+    args = parser().parse_args()
+    try:
+        code = run(args, wrap)
+    except SystemExit as exc:  # a replay ends the script from inside its optimizer step
+        code = exc.code
+    safe = nanguard.destroy_process_group()
+    path = os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '0')}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+        write_json(args.out_dir, result["rank"], {**result, "exit_safe": safe})
+    return code

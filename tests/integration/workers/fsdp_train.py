@@ -15,4 +15,4 @@ def wrap(net):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run(common.parser().parse_args(), wrap))
+    sys.exit(common.main(wrap))

@@ -1,0 +1,155 @@
+"""torch.distributed as nanguard meets it, and ending a process group so that the process can exit.
+
+Why ending needs care (torch 2.13, gloo; seen here as SIGABRT "terminate called without an active
+exception" after training had ended, in about 1 run of 10 on a loaded machine):
+
+- gloo runs collectives on worker threads (``pt_gloo_runloop``). A worker drops its last reference
+  to a finished collective a moment after the caller has seen it complete; when that collective
+  held a tensor that Python also knows, dropping it needs the GIL.
+- If the main thread has meanwhile reached interpreter finalization, taking the GIL makes the
+  worker call ``pthread_exit``, which unwinds through a C++ ``noexcept`` destructor:
+  ``std::terminate``, and the process dies of SIGABRT although the script succeeded.
+- ``dist.destroy_process_group()`` would end those threads (the group's destructor joins them),
+  but only once nothing references the group. A ``DistributedDataParallel`` model does, until it is
+  freed; and importing DDP imports ``torch.distributed.nn.functional``, whose functions take
+  ``group=group.WORLD`` as default argument values, evaluated at import: ten references to the
+  default group that live as long as the process. So the group, and its threads, outlive
+  ``destroy_process_group`` in every DDP script. FSDP2 (DTensor) keeps its device mesh, and
+  with it the group, alive from outside Python's view.
+
+``destroy_process_group()`` here does what a script means by it: the group is destroyed, torch's
+stale references to it are dropped, and gloo's threads are joined before Python finalizes.
+``settle_gloo_workers()`` is the fallback where something still holds the group: it waits,
+without holding the GIL, until every worker is parked.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+import weakref
+
+log = logging.getLogger("nanguard")
+
+_GLOO_WORKER = "pt_gloo_runloop"
+# Modules that keep the default group as a default argument value (evaluated at their import).
+_PINNING_MODULES = ("torch.distributed.nn.functional",)
+_SETTLE_POLL_S = 0.005
+
+
+def destroy_process_group(timeout_s: float = 5.0) -> bool:
+    """End this process's ``torch.distributed`` state so that it can exit cleanly.
+
+    Call it at the very end, once the model that used the group (a ``DistributedDataParallel``
+    or FSDP model, and a trainer holding one) is freed: after ``main()`` returns, for example.
+    It collects garbage (models in reference cycles), destroys every process group if one is
+    initialized, drops torch's own stale references to the destroyed default group and checks
+    that gloo's worker threads have ended. Where they have not (FSDP2, or a model still
+    referenced, which is logged as a warning with what holds the group), it waits, at most
+    ``timeout_s``, until they are idle (``settle_gloo_workers``). Returns True when no gloo
+    worker can still hold a finished collective: the process may exit. Never a collective: a
+    rank whose peers are gone does not wait for them.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return True
+    gc.collect()
+    groups = []
+    if dist.is_initialized():
+        groups.append(weakref.ref(dist.group.WORLD))
+        dist.destroy_process_group()
+    groups += [weakref.ref(group) for group in _release_destroyed_groups()]
+    gc.collect()
+    if not _tasks(_GLOO_WORKER):
+        return True
+    alive = [group() for group in groups if group() is not None]
+    holders = sorted({name for group in alive for name in _holders(group)})
+    del alive
+    if holders:
+        log.warning("nanguard: gloo's worker threads outlive the destroyed process group, which %s "
+                    "still reference(s); free the model before calling nanguard.destroy_process_group()"
+                    " (README, 'Ending a distributed script'); waiting for the workers to go idle",
+                    ", ".join(holders))
+    settled = settle_gloo_workers(timeout_s)
+    if not settled:
+        log.warning("nanguard: gloo's worker threads were still busy after %.1f s; the process may "
+                    "abort as it exits (a collective still in flight?)", timeout_s)
+    return settled
+
+
+def settle_gloo_workers(timeout_s: float = 2.0) -> bool:
+    """Wait until every gloo worker thread is parked (asleep, and not woken over an interval in
+    which this thread did not hold the GIL), so none is left holding a finished collective when
+    Python finalizes. True when they are (or there are none, or this is not Linux)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        now = {tid: _sched(tid) for tid in _tasks(_GLOO_WORKER)}
+        if not now or (now == last and all(state == "S" for state, _ in now.values())):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        last = now
+        time.sleep(_SETTLE_POLL_S)  # the GIL is free meanwhile: a worker waiting for it gets it
+
+
+def _release_destroyed_groups() -> list:
+    """Once no group is initialized, replace the process groups in the default arguments of
+    ``_PINNING_MODULES``' functions by None (their "use the default group"); return them."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return []
+    found = {}
+    for name in _PINNING_MODULES:
+        module = sys.modules.get(name)
+        for function in list(vars(module).values()) if module is not None else ():
+            defaults = getattr(function, "__defaults__", None)
+            if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
+                found.update((id(v), v) for v in defaults if isinstance(v, dist.ProcessGroup))
+                function.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v
+                                              for v in defaults)
+    return list(found.values())
+
+
+def _holders(obj: object) -> list[str]:
+    """Type names of the Python objects that reference ``obj`` through their attributes."""
+    names = []
+    for referrer in gc.get_referrers(obj):
+        if isinstance(referrer, dict):
+            names += [type(owner).__name__ for owner in gc.get_referrers(referrer)
+                      if getattr(owner, "__dict__", None) is referrer]
+    return names
+
+
+def _tasks(name: str) -> list[str]:
+    """Thread ids of this process's threads called ``name`` (Linux; elsewhere none)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(tid)
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
+
+
+def _sched(tid: str) -> tuple[str, str]:
+    """A thread's state letter and its context-switch counts ("" once it has ended)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/self/task/{tid}/status") as f:
+            switches = " ".join(line.split()[1] for line in f if "ctxt_switches" in line)
+    except (OSError, IndexError):
+        return "", ""
+    return state, switches
