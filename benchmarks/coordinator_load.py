@@ -44,7 +44,8 @@ sys.path.insert(0, str(REPO))  # benchmark the checkout this file lives in
 import zmq  # noqa: E402
 
 from nanguard.coordinator.control import request  # noqa: E402
-from nanguard.events import STOP_KINDS, Event  # noqa: E402
+from nanguard.events import Event  # noqa: E402
+from nanguard.protocol import STOP_KINDS  # noqa: E402
 from nanguard.wire import MAX_BYTES, Codec  # noqa: E402
 
 TARGETS = {"ingest_events_per_s": 50_000, "fanout_p99_ms": 50.0, "peak_rss_mb": 200.0}

@@ -24,7 +24,6 @@ the rank records and calls ``finalize`` on rank 0 between its own barriers.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import errno
@@ -38,13 +37,14 @@ import re
 import shutil
 import socket
 import sys
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
-from .errors import NanguardError, ProtocolError
+from ._tree import map_tensors
+from .errors import IncidentError, ProtocolError
 from .events import Event
 
 FORMAT = "nanguard-incident"
@@ -62,18 +62,6 @@ _MAX_ID_LENGTH = 64  # of the job-id part of a folder name: leaves room for "-st
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class IncidentError(NanguardError, ValueError):
-    """An incident folder could not be written, or is missing, partial, tampered or incompatible.
-
-    ``path`` is the file or folder at fault, ``reason`` says what is wrong and what to do.
-    """
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-
 # --- the step's inputs and random state, held cheaply until an incident is written ----------
 
 
@@ -82,50 +70,20 @@ def to_cpu(obj: Any) -> Any:
     return to_device(obj, torch.device("cpu"))
 
 
-def to_device(obj: Any, device: torch.device, _memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A copy of ``obj`` whose tensors are detached copies on ``device`` (same dtype), containers rebuilt.
-
-    Tuples (namedtuples too), lists, dicts (and other mutable mappings) and dataclass instances
-    are rebuilt with the same type; anything else (numbers, strings, None, other objects) is
-    returned as it is. A DTensor contributes its local shard (``.to_local()``). A tensor met
-    twice is copied once, so aliasing survives the round trip through ``torch.save``.
+def to_device(obj: Any, device: torch.device) -> Any:
+    """A copy of ``obj`` whose tensors are detached copies on ``device`` (same dtype), containers
+    rebuilt (``_tree.map_tensors``). A DTensor contributes its local shard (``.to_local()``).
     CPU tensors are copied too: the copy is taken once an incident is written, and must not
     change if the training code later modifies its batch in place.
     """
-    memo = {} if _memo is None else _memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            tensor = obj.detach()
-            to_local = getattr(tensor, "to_local", None)
-            if to_local is not None:
-                tensor = to_local()
-            memo[id(obj)] = tensor.to(device, copy=True)
-        return memo[id(obj)]
-    if isinstance(obj, tuple):
-        items = [to_device(item, device, memo) for item in obj]
-        if type(obj) is tuple:
-            return tuple(items)
-        if hasattr(type(obj), "_fields"):  # namedtuple: its constructor takes the fields one by one
-            return type(obj)(*items)
-        return type(obj)(items)  # torch.Size, structseq (torch.return_types.*)
-    if type(obj) is list:
-        return [to_device(item, device, memo) for item in obj]
-    if type(obj) is dict:
-        return {key: to_device(value, device, memo) for key, value in obj.items()}
-    if isinstance(obj, (list, MutableMapping)):
-        # subclasses (OrderedDict, defaultdict, UserDict, BatchEncoding, ...) may need
-        # constructor arguments we do not know: copy the object, then replace its items
-        new = copy.copy(obj)
-        for key, value in (enumerate(obj) if isinstance(obj, list) else obj.items()):
-            new[key] = to_device(value, device, memo)
-        return new
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            # object.__setattr__ also works on frozen dataclasses
-            object.__setattr__(new, f.name, to_device(getattr(obj, f.name), device, memo))
-        return new
-    return obj
+    def copy_to(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        to_local = getattr(tensor, "to_local", None)
+        if to_local is not None:
+            tensor = to_local()
+        return tensor.to(device, copy=True)
+
+    return map_tensors(obj, copy_to)
 
 
 def _numpy():

@@ -21,8 +21,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _ask(args: argparse.Namespace, type_: str, body: dict):
     """One operator request; the reply, or an exit code after saying what went wrong."""
     from .config import setting_from_env
-    from .coordinator.control import CoordinatorUnreachable, request
-    from .errors import ConfigError, ProtocolError
+    from .coordinator.control import request
+    from .errors import ConfigError, CoordinatorUnreachable, ProtocolError
 
     try:
         address = args.coordinator or setting_from_env("coordinator")

@@ -26,11 +26,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .errors import ProtocolError
 from .events import Event, json_float
-from .wire import ACTIONS, MAX_BYTES, MAX_EVENTS, STOPPED_REASONS, Codec, ReplayFilter, check_body
+from .protocol import IDENTITY_FIELDS, POLICIES, STOP_REASONS, parse_address
+from .wire import MAX_BYTES, MAX_EVENTS, Codec, ReplayFilter, check_body
 
 log = logging.getLogger("nanguard.client")
 
-IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
 _POLL_S = 0.02
 """how long the thread sleeps between looks at the queue (the latency of an event, at most)"""
 _BATCHES_PER_TURN = 8
@@ -54,8 +54,7 @@ class Client:
     def __init__(self, address: str, *, token: str | None, identity: dict[str, Any],
                  queue_size: int = 1024, heartbeat_s: float = 2.0, on_stop: OnStop | None = None,
                  context: zmq.Context | None = None):
-        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"coordinator address {address!r} must look like tcp://host:port")
+        parse_address(address)  # ValueError: says what an address looks like
         missing = [name for name in IDENTITY_FIELDS if name not in identity]
         if missing or set(identity) - set(IDENTITY_FIELDS):
             raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)}; "
@@ -106,8 +105,8 @@ class Client:
     def send_event(self, event: Event, action: str) -> bool:
         """Queue an event with what this rank does about it (raise, skip, warn). False when the
         queue is full: the event is dropped and counted."""
-        if action not in ACTIONS:
-            raise ValueError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
+        if action not in POLICIES:
+            raise ValueError(f"action {action!r} is not one of {', '.join(POLICIES)}")
         try:
             self._queue.put_nowait((event, action))
             return True
@@ -126,8 +125,8 @@ class Client:
 
     def stopped(self, step: int, reason: str) -> None:
         """Tell the coordinator this rank stopped at ``step`` (nonfinite, policy, operator)."""
-        if reason not in STOPPED_REASONS:
-            raise ValueError(f"stop reason {reason!r} is not one of {', '.join(STOPPED_REASONS)}")
+        if reason not in STOP_REASONS:
+            raise ValueError(f"stop reason {reason!r} is not one of {', '.join(STOP_REASONS)}")
         self._control_message("stopped", {"step": step, "reason": reason})
 
     @property

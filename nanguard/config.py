@@ -9,14 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-
-POLICIES = ("raise", "skip", "warn")
+from .protocol import POLICIES, Policy, parse_address
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -46,19 +44,6 @@ def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
 
-_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
-
-
-def _is_address(text: Any) -> bool:
-    """A coordinator address a rank can connect to: tcp://host:port or ipc:///path."""
-    if not isinstance(text, str):
-        return False
-    if text.startswith("ipc://"):
-        return len(text) > len("ipc://")
-    match = _TCP.fullmatch(text)
-    return match is not None and 1 <= int(match.group(2)) <= 65535
-
-
 def _setting(default: Any, parse, doc: str):
     return field(default=default, metadata={"parse": parse, "doc": doc})
 
@@ -68,7 +53,7 @@ class Settings:
     """How a guard behaves. Field names are the ``init`` keywords and, upper-cased with a
     ``NANGUARD_`` prefix, the environment variables."""
 
-    on_nan: str = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
+    on_nan: Policy = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
     dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
     coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
     token: str | None = _setting(None, _parse_optional_str, "shared secret for coordinator messages")
@@ -112,11 +97,11 @@ class Settings:
             raise ConfigError(f"on_nan={self.on_nan!r} is not one of {', '.join(POLICIES)}")
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"dir={self.dir!r} must be a non-empty path")
-        if self.coordinator is not None and not _is_address(self.coordinator):
-            raise ConfigError(
-                f"coordinator={self.coordinator!r} must look like tcp://host:port (port 1-65535) or"
-                " ipc:///path"
-            )
+        if self.coordinator is not None:
+            try:
+                parse_address(self.coordinator)
+            except ValueError as exc:
+                raise ConfigError(str(exc).replace("coordinator address ", "coordinator=", 1)) from None
         if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
             raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")
         for name in ("max_events", "max_pending", "spike_warmup_steps", "event_queue"):

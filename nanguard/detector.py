@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import forensics
+from ._tree import floating_tensors
 
 # probe roles
 OUT, IN, BATCH, CHECK = range(4)
@@ -46,33 +47,10 @@ _WRAPPERS = {
     "DistributedDataParallel", "DataParallel", "OptimizedModule", "FullyShardedDataParallel",
     "CheckpointWrapper", "OffloadWrapper", "_LightningModuleWrapperBase",
 }
-_MAX_NESTING = 32
 _MAX_CHECK_NAMES = 1024
 
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
 _COMPILED = -1  # the "version" of a probe made inside a compiled graph
-
-
-def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
-    """The floating-point (and complex) tensors in a nest of tuples, lists, dicts and dataclasses."""
-    if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # the common call
-        return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() or obj.is_complex() else []
-    found: list[torch.Tensor] = []
-    if _depth >= _MAX_NESTING:
-        return found
-    if isinstance(obj, (list, tuple)):
-        items: Iterable[Any] = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    else:
-        return found
-    for item in items:
-        found.extend(floating_tensors(item, _depth + 1))
-    return found
 
 
 def probe(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@
      ├── GuardClosedError                          a closed guard was used
      ├── NonFiniteError     (also a RuntimeError) a NaN/Inf stopped the step on every rank
      ├── StopRequested      (also a RuntimeError) the coordinator or an operator stopped the job
-     └── ProtocolError      (also a ValueError)   a malformed or unauthenticated wire message
+     ├── ProtocolError      (also a ValueError)   a malformed or unauthenticated wire message
+     ├── IncidentError      (also a ValueError)   an incident folder cannot be written or read
+     └── CoordinatorUnreachable                   an operator request got no valid reply
 
 Catch ``RuntimeError`` to treat a nanguard stop like any other training failure, or
 ``nanguard.NonFiniteError`` to handle it on purpose.
@@ -56,10 +58,26 @@ class StopRequested(NanguardError, RuntimeError):
 class ProtocolError(NanguardError, ValueError):
     """A wire message was malformed, too large, of an unknown version, or unauthenticated.
 
-    ``reason`` is a short machine-readable word (a metric label): ``oversized``, ``malformed``,
-    ``version``, ``unauthenticated``, ``replayed``, ``stale`` or ``schema``.
+    ``reason`` is a short machine-readable word (a metric label), one of
+    ``nanguard.protocol.WIRE_REASONS``.
     """
 
     def __init__(self, message: str, reason: str = "malformed"):
         super().__init__(message)
         self.reason = reason
+
+
+class IncidentError(NanguardError, ValueError):
+    """An incident folder could not be written, or is missing, partial, tampered or incompatible.
+
+    ``path`` is the file or folder at fault, ``reason`` says what is wrong and what to do.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class CoordinatorUnreachable(NanguardError):
+    """No valid reply from the coordinator within the timeout."""

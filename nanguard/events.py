@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProtocolError
-
-#: kinds that stop a step; the rest (grad_norm, spike) are warnings.
-STOP_KINDS = ("forward", "loss", "check", "backward", "grad")
-WARN_KINDS = ("grad_norm", "spike")
-KINDS = STOP_KINDS + WARN_KINDS
+from .protocol import KINDS, WARN_KINDS
 
 
 def json_float(value: float | None) -> float | str | None:

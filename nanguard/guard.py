@@ -32,13 +32,12 @@ from .detector import Detector, grad_norms, gradients, stack
 from .capture import IncidentError
 from .errors import ConfigError, GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
+from .protocol import FIRST_EVENT_ORDER
 from .replay import Replay
 from . import __version__
 
 log = logging.getLogger("nanguard")
 
-# The first event of the job: forward producers beat what they poisoned downstream.
-_KIND_ORDER = {"forward": 0, "check": 1, "loss": 1, "backward": 2, "grad": 3}
 
 _owners: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
 _global_guard: Guard | None = None
@@ -446,7 +445,7 @@ class Guard:
         if not candidates:
             return None
         first = min(candidates, key=lambda e: (
-            _KIND_ORDER.get(e.kind, 9), not e.extra.get("born_here", True), e.rank))
+            FIRST_EVENT_ORDER.get(e.kind, 9), not e.extra.get("born_here", True), e.rank))
         if local is not None and first.rank != local.rank:
             self._note(local, self.settings.on_nan)  # what this rank saw, beside the job's first event
         return first

@@ -16,7 +16,7 @@ refuse a message seen before. Which way each type travels:
     coordinator -> operator   status, stop_accepted
 
 Every body is checked against its schema on decode; anything else is a ``ProtocolError`` whose
-``reason`` (one of ``REASONS``) says which check failed. Nothing here imports torch.
+``reason`` (one of ``protocol.WIRE_REASONS``) says which check failed. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import event_values
+from .protocol import IDENTITY_FIELDS, ORIGINS, POLICIES, STOP_REASONS
 
 VERSION = 1
 MAX_BYTES = 64 * 1024
@@ -43,10 +44,6 @@ MAX_EVENTS = 256
 """the most events one ``events`` message carries"""
 MAX_RANK = 1 << 20
 """ranks are below this; world sizes at most this"""
-REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema")
-ACTIONS = ("raise", "skip", "warn")
-STOPPED_REASONS = ("nonfinite", "policy", "operator")
-ORIGINS = ("policy", "operator")
 
 _ENVELOPE = frozenset(("v", "type", "sender", "seq", "time", "body"))
 _MAX_SENDER = 256
@@ -186,16 +183,16 @@ _STOP_STATE = _object({
 
 SCHEMAS: dict[str, Check] = {
     # rank -> coordinator
-    "hello": _object({"rank": _RANK, "local_rank": _RANK, "world_size": _WORLD, "host": _HOST,
-                      "pid": _PID, "job": _JOB, "device": _text(64), "version": _text(64)}),
+    "hello": _object(dict(zip(IDENTITY_FIELDS, (_RANK, _RANK, _WORLD, _HOST, _PID, _JOB, _text(64),
+                                                 _text(64))))),
     "heartbeat": _object({"rank": _RANK, "world_size": _WORLD, "job": _JOB, "host": _HOST, "pid": _PID,
                           "step": _COUNT, "step_time_s": _optional(_SECONDS), "dropped": _COUNT,
                           "grad_norm": _GRAD_NORM}),
     "events": _object({"rank": _RANK, "job": _JOB, "events": _list(_event, 1, MAX_EVENTS)},
-                      {"action": _text(8, ACTIONS)}),
+                      {"action": _text(8, POLICIES)}),
     "captured": _object({"rank": _RANK, "job": _JOB, "step": _COUNT, "incident": _text(4096)}),
     "stopped": _object({"rank": _RANK, "job": _JOB, "step": _COUNT,
-                        "reason": _text(16, STOPPED_REASONS)}),
+                        "reason": _text(16, STOP_REASONS)}),
     "ack": _object({"rank": _RANK, "command_id": _COMMAND_ID}),
     "bye": _object({"rank": _RANK, "job": _JOB}),
     # coordinator -> rank
@@ -284,7 +281,7 @@ class Codec:
         return [payload, hmac.digest(self._key, payload, "sha256")]
 
     def decode(self, frames: Sequence[bytes]) -> Message:
-        """Check and decode the frames of one message; raises ProtocolError (see ``REASONS``)."""
+        """Check and decode the frames of one message; raises ProtocolError (see ``protocol.WIRE_REASONS``)."""
         if len(frames) not in (1, 2):
             raise ProtocolError(f"a message has 1 or 2 frames (payload[, mac]), got {len(frames)}")
         payload = bytes(frames[0])

@@ -11,14 +11,11 @@ from typing import Any
 
 import zmq
 
-from ..errors import NanguardError, ProtocolError
+from ..errors import CoordinatorUnreachable, ProtocolError
+from ..protocol import parse_address
 from ..wire import MAX_STATUS_BYTES, Codec, Message
 
 REPLIES = {"status_request": "status", "stop_request": "stop_accepted"}
-
-
-class CoordinatorUnreachable(NanguardError):
-    """No valid reply from the coordinator within the timeout."""
 
 
 def request(address: str, token: str | None, type_: str, body: dict[str, Any], *,
@@ -30,8 +27,7 @@ def request(address: str, token: str | None, type_: str, body: dict[str, Any], *
     """
     if type_ not in REPLIES:
         raise ValueError(f"{type_!r} is not an operator request; one of {', '.join(REPLIES)}")
-    if not address.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"coordinator address {address!r} must look like tcp://host:port")
+    parse_address(address)  # ValueError: says what an address looks like
     codec = Codec(f"operator@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}", token,
                   max_bytes=MAX_STATUS_BYTES)
     frames = codec.encode(type_, body)

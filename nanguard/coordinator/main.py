@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import signal
 import sys
@@ -13,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from ..config import setting_from_env
 from ..errors import ConfigError
-from ..events import KINDS
+from ..protocol import KINDS, parse_address
 from .metrics import MetricsServer
 from .policy import Policy
 from .server import Coordinator
@@ -48,14 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def is_loopback(bind: str) -> bool:
     """True for addresses only this machine can reach: loopback TCP, ipc://, inproc://."""
-    if not bind.startswith("tcp://"):
-        return bind.startswith(("ipc://", "inproc://"))
-    host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface or a host name: reachable from elsewhere
+        return parse_address(bind, bind=True).is_loopback
+    except ValueError:  # not an address; binding it fails with ZeroMQ's own message
         return False
 
 

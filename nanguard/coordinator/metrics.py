@@ -1,6 +1,6 @@
 """The coordinator's Prometheus series, and the HTTP endpoint that serves them.
 
-Label values are only ranks (decimal strings), event kinds (``events.KINDS``), stop reasons and
+Label values are only ranks (decimal strings), event kinds (``protocol.KINDS``), stop reasons and
 bad-message reasons from fixed lists: never a step, a layer or other free text.
 
 ``nanguard_stops_total{reason}`` counts each job's stop once, when the coordinator first learns
@@ -19,13 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
 
-from ..events import STOP_KINDS
-
-STOP_REASONS = ("nonfinite", "policy", "operator")
-BAD_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema",
-               "wrong_job", "unexpected")
-"""why a message was dropped: the wire's ProtocolError reasons, a message of another job than the
-coordinator's (``wrong_job``), or a type that does not travel to the coordinator (``unexpected``)"""
+from ..protocol import BAD_MESSAGE_REASONS, STOP_KINDS, STOP_REASONS
 _MAX_INCIDENTS = 65536
 
 log = logging.getLogger("nanguard.coordinator")
@@ -70,7 +64,7 @@ class Metrics:
         gauge("nanguard_build_info", "nanguard version of the coordinator", ("version",)).labels(version).set(1)
         for reason in STOP_REASONS:
             self.stops.labels(reason)
-        for reason in BAD_REASONS:
+        for reason in BAD_MESSAGE_REASONS:
             self.bad_reasons.labels(reason)
         self._incident_ids: set[str] = set()
         self._dropped_seen: dict[int, int] = {}
@@ -88,8 +82,8 @@ class Metrics:
         self.job_stopped.set(1)
 
     def bad_message(self, reason: str) -> None:
-        if reason not in BAD_REASONS:
-            raise ValueError(f"bad-message reason {reason!r} is not one of {', '.join(BAD_REASONS)}")
+        if reason not in BAD_MESSAGE_REASONS:
+            raise ValueError(f"bad-message reason {reason!r} is not one of {', '.join(BAD_MESSAGE_REASONS)}")
         self.bad_messages.inc()
         self.bad_reasons.labels(reason).inc()
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..events import KINDS, STOP_KINDS
+from ..protocol import KINDS, STOP_KINDS
 
 _MAX_LAYER_IN_REASON = 200
 

@@ -5,7 +5,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from nanguard.coordinator.metrics import BAD_REASONS, Metrics, MetricsServer
+from nanguard.coordinator.metrics import Metrics, MetricsServer
+from nanguard.protocol import BAD_MESSAGE_REASONS as BAD_REASONS
 
 
 @pytest.fixture

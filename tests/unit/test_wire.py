@@ -9,11 +9,11 @@ import time
 import pytest
 
 from nanguard import Event, ProtocolError
+from nanguard.protocol import WIRE_REASONS as REASONS
 from nanguard.wire import (
     MAX_BYTES,
     MAX_EVENTS,
     MAX_STATUS_BYTES,
-    REASONS,
     TYPES,
     Codec,
     Message,

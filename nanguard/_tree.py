@@ -1,0 +1,87 @@
+"""The one walker over nested containers: what a module returns, what a model is fed.
+
+Containers are tuples (namedtuples and ``torch.Size`` included), lists, mappings (dicts,
+``OrderedDict``, ``UserDict`` such as Hugging Face's ``BatchEncoding``, ``ModelOutput``) and
+dataclass instances; anything else is a leaf. Nesting deeper than ``MAX_DEPTH`` is not entered.
+Both functions see the same tensors in the same order: what is checked is what is captured.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+MAX_DEPTH = 32
+
+
+def _items(obj: Any) -> Iterable[Any] | None:
+    """The children of a container, or None for a leaf."""
+    if isinstance(obj, (list, tuple)):
+        return obj
+    if isinstance(obj, Mapping):
+        return obj.values()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return None
+
+
+def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """The floating-point (and complex) tensors in ``obj``, in order."""
+    if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # a hook's common call
+        return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() or obj.is_complex() else []
+    items = _items(obj) if _depth < MAX_DEPTH else None
+    if items is None:
+        return []
+    found: list[torch.Tensor] = []
+    for item in items:
+        found.extend(floating_tensors(item, _depth + 1))
+    return found
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], _memo: dict[int, Any] | None = None,
+                _depth: int = 0) -> Any:
+    """A copy of ``obj`` with every tensor replaced by ``fn(tensor)``, containers rebuilt with
+    their own types; other leaves are returned as they are. A tensor met twice is mapped once,
+    so aliasing survives (``torch.save`` keeps it)."""
+    memo = {} if _memo is None else _memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = fn(obj)
+        return memo[id(obj)]
+    if _depth >= MAX_DEPTH or _items(obj) is None:
+        return obj
+
+    def again(item: Any) -> Any:
+        return map_tensors(item, fn, memo, _depth + 1)
+
+    if isinstance(obj, tuple):
+        items = [again(item) for item in obj]
+        if type(obj) is tuple:
+            return tuple(items)
+        if hasattr(type(obj), "_fields"):  # namedtuple: its constructor takes the fields one by one
+            return type(obj)(*items)
+        return type(obj)(items)  # torch.Size, structseq (torch.return_types.*)
+    if type(obj) is list:
+        return [again(item) for item in obj]
+    if type(obj) is dict:
+        return {key: again(value) for key, value in obj.items()}
+    if isinstance(obj, (list, MutableMapping)):
+        # subclasses (OrderedDict, defaultdict, UserDict, BatchEncoding, ModelOutput, ...) may
+        # need constructor arguments we do not know: copy the object, then replace its items
+        new = copy.copy(obj)
+        for key, value in (enumerate(obj) if isinstance(obj, list) else list(obj.items())):
+            new[key] = again(value)
+        return new
+    if isinstance(obj, Mapping):
+        return {key: again(value) for key, value in obj.items()}  # read-only: a plain dict
+    new = copy.copy(obj)
+    for f in dataclasses.fields(obj):
+        # object.__setattr__ also works on frozen dataclasses
+        object.__setattr__(new, f.name, again(getattr(obj, f.name)))
+    return new

@@ -1,0 +1,91 @@
+"""The vocabulary that ranks, the coordinator, operators and incident files share, defined once.
+
+Every side that speaks one of these words imports it from here: event kinds, the policies (a
+rank's action on a non-finite value), why a job stopped, why a message was dropped, who a rank
+says it is, and what a coordinator address looks like. No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+# --- events ---------------------------------------------------------------------------------
+STOP_KINDS = ("forward", "loss", "check", "backward", "grad")
+"""event kinds that stop a step"""
+WARN_KINDS = ("grad_norm", "spike")
+"""event kinds that only warn"""
+KINDS = STOP_KINDS + WARN_KINDS
+FIRST_EVENT_ORDER = {"forward": 0, "check": 1, "loss": 1, "backward": 2, "grad": 3}
+"""which kind is the job's first event when several ranks saw something in one step: a forward
+producer beats what it poisoned downstream (the loss, then the gradients)"""
+
+# --- what a rank does about a non-finite value (``on_nan``; the ``action`` of its events) ---
+Policy = Literal["raise", "skip", "warn"]
+POLICIES: tuple[Policy, ...] = ("raise", "skip", "warn")
+
+# --- stops ----------------------------------------------------------------------------------
+STOP_REASONS = ("nonfinite", "policy", "operator")
+"""why a job stopped: a rank's own non-finite stop, the coordinator's policy, an operator (the
+``reason`` of a rank's ``stopped`` message and of ``nanguard_stops_total``)"""
+ORIGINS = ("policy", "operator")
+"""who issued a stop command"""
+
+# --- dropped messages -------------------------------------------------------------------------
+WIRE_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema")
+"""why a message failed to decode (``ProtocolError.reason``)"""
+BAD_MESSAGE_REASONS = WIRE_REASONS + ("wrong_job", "unexpected")
+"""why the coordinator dropped a message: a wire reason, a message of another job than its own,
+or a type that does not travel to the coordinator (``nanguard_bad_message_reasons_total``)"""
+
+# --- who a rank is (the body of its ``hello``) -------------------------------------------------
+IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
+
+# --- addresses --------------------------------------------------------------------------------
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5}|\*)")
+_ADDRESS_FORM = "tcp://host:port (port 1-65535) or ipc:///path"
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """A ZeroMQ endpoint: ``tcp://host:port``, ``ipc://path`` or ``inproc://name``."""
+
+    scheme: str
+    host: str
+    """the host of a tcp address (without IPv6 brackets), else the path or name"""
+    port: int | None
+    """None for ipc and inproc, and for a wildcard port (``*``, binding only)"""
+
+    @property
+    def is_loopback(self) -> bool:
+        """Only this machine can reach it: loopback TCP, ipc, inproc."""
+        if self.scheme != "tcp":
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # "*", an interface or a host name: reachable from elsewhere
+            return False
+
+
+def parse_address(text: object, *, bind: bool = False) -> Address:
+    """Parse a coordinator address; ``bind`` also allows port 0 or ``*`` and host ``*``.
+
+    Raises ValueError saying what an address must look like.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"a coordinator address must be a string like {_ADDRESS_FORM}, got {text!r}")
+    for scheme in ("ipc", "inproc"):
+        prefix = f"{scheme}://"
+        if text.startswith(prefix) and len(text) > len(prefix):
+            return Address(scheme, text[len(prefix):], None)
+    match = _TCP.fullmatch(text)
+    if match is not None:
+        host, port = match.group(1).strip("[]"), match.group(2)
+        lowest = 0 if bind else 1
+        if (host != "*" or bind) and (port == "*" and bind or port != "*" and lowest <= int(port) <= 65535):
+            return Address("tcp", host, None if port == "*" else int(port))
+    raise ValueError(f"coordinator address {text!r} must look like {_ADDRESS_FORM}")
