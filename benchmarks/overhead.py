@@ -461,7 +461,7 @@ def measure_capture_bookkeeping(results: list[Result], calls: int = 2000) -> dic
     taken when a step begins. Timed directly (median of ``calls``), because a difference of
     microseconds on a step of hundreds of milliseconds drowns in the noise of a ratio.
     """
-    from nanguard import capture
+    from nanguard import incident as capture
 
     samples = []
     for _ in range(calls):

@@ -119,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             verb.add_argument("--json", action="store_true", help="print the reply as JSON")
         else:
             verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
-    # listed here for --help; its own parser (nanguard/inspect.py) reads its arguments
+    # listed here for --help; its own parser (nanguard/incident/report.py) reads its arguments
     commands.add_parser("inspect", add_help=False,
                         help="summarise an incident folder: nanguard inspect DIR [--json]")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["inspect"]:
-        from .inspect import main as inspect_main
+        from .incident.report import main as inspect_main
 
         return inspect_main(argv[1:])
     args = parser.parse_args(argv)

@@ -209,8 +209,8 @@ def _run_job(procs: _Processes, argv: list[str], env: dict[str, str], title: str
 
 
 def main(steps: int = 40, bad_step: int = 25, workdir: str = "nanguard-demo") -> int:
-    from .capture import IncidentError, read_incident
-    from .inspect import summary
+    from .incident import IncidentError, read_incident
+    from .incident.report import summary
 
     started = time.monotonic()
     folder = Path(workdir).resolve()

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import capture, forensics
+from . import forensics
+from . import incident as capture
 from ._dist import settle_gloo_workers
 from .config import Settings
 from .detector import Detector, grad_norms, gradients, stack
-from .capture import IncidentError
+from .incident import IncidentError
 from .errors import ConfigError, GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
 from .protocol import FIRST_EVENT_ORDER

@@ -32,8 +32,9 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from . import capture, forensics
-from .capture import Incident, IncidentError
+from . import forensics
+from . import incident as capture
+from .incident import Incident, IncidentError
 from .config import Settings
 from .detector import floating_tensors, plain_name
 from .errors import NanguardError

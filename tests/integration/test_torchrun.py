@@ -64,7 +64,7 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
     # only the producing rank logs the report
     assert job.output.count(f"nanguard: non-finite output in {FAULT_LAYER}") == 1
     # every rank wrote its part of one incident, which reads back whole
-    from nanguard import capture
+    from nanguard import incident as capture
 
     incidents = {r["error"]["incident"] for r in job.ok(world=2).values()}
     assert len(incidents) == 1 and None not in incidents
@@ -227,7 +227,7 @@ def test_nanguard_demo_the_main_job(tmp_path):
     assert 'nanguard_stops_total{reason="nonfinite"} 1.0' in out
     assert re.search(r"replay of \S+ \(step 25\): reproducible", out), out
     (incident,) = (folder / "incidents").iterdir()
-    from nanguard import capture
+    from nanguard import incident as capture
 
     assert capture.read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
     assert _processes_with(str(folder)) == [], "the demo left processes behind"
@@ -236,7 +236,7 @@ def test_nanguard_demo_the_main_job(tmp_path):
 def replay_job(torchrun, incident: str, *args: str, script: str = "ddp_train.py"):
     """Run the unchanged worker again with NANGUARD_REPLAY: every rank must end with exit code 0
     at the replayed step, and the incident then holds the report."""
-    from nanguard import capture
+    from nanguard import incident as capture
 
     job = torchrun.standalone(script, *args, env={"NANGUARD_REPLAY": incident})
     assert job.returncodes == [0], job.output[-6000:]

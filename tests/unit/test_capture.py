@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from nanguard import Event
-from nanguard import capture, inspect
-from nanguard.capture import IncidentError, finalize, new_incident_dir, read_incident, write_rank
+from nanguard import incident as capture
+from nanguard.incident import IncidentError, finalize, fsio, new_incident_dir, read_incident, write_rank
+from nanguard.incident import report as inspect
 
 
 class Pair(typing.NamedTuple):
@@ -342,14 +343,14 @@ def _crash_child(path, stage, inputs, ready):
 
     records = [write_rank(path, 0, **inputs[0])]
     if stage == "rank":
-        real = capture._atomic_write
+        real = fsio.atomic_write
 
         def slow(file, write):  # hangs after the first file of rank 1
             record = real(file, write)
             hang()
             return record
 
-        capture._atomic_write = slow
+        fsio.atomic_write = slow
         write_rank(path, 1, **inputs[1])
     else:
         records.append(write_rank(path, 1, **inputs[1]))
@@ -400,3 +401,13 @@ def test_killed_mid_capture_is_incomplete(tmp_path, stage, capsys):
     assert inspect.main([path]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"nanguard inspect: {path}/manifest.json: incomplete") and err.count("\n") == 1
+
+
+def test_the_incident_package_exports_exactly_its_public_names():
+    assert capture.__all__ == sorted(capture.__all__)
+    assert set(capture.__all__) == {
+        "BATCHES", "ENVIRONMENT", "EVENTS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "REPLAY", "RNG", "STATE",
+        "VERDICTS", "Incident", "IncidentError",
+        "environment_record", "finalize", "incident_id", "new_incident_dir", "read_incident", "record_replay",
+        "rng_restore", "rng_snapshot", "to_cpu", "to_device", "write_rank"}
+    assert all(hasattr(capture, name) for name in capture.__all__)

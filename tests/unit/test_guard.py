@@ -480,7 +480,8 @@ def test_two_optimizers_count_one_step_per_iteration():
 
 
 def test_raise_captures_the_state_from_before_the_step(incidents_in_tmp):
-    from nanguard import capture, inspect
+    from nanguard import incident as capture
+    from nanguard.incident import report as inspect
 
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -518,7 +519,7 @@ def test_raise_captures_the_state_from_before_the_step(incidents_in_tmp):
 
 
 def test_capture_can_be_turned_off_and_batches_left_out(incidents_in_tmp):
-    from nanguard import capture
+    from nanguard import incident as capture
 
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -3,8 +3,9 @@
 import json
 import os
 
-from nanguard import capture, inspect
-from nanguard.capture import read_incident
+from nanguard import incident as capture
+from nanguard.incident import read_incident
+from nanguard.incident import report as inspect
 from test_capture import first_event, flip_byte, make_incident, rank_inputs
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard.capture import IncidentError, read_incident
+from nanguard.incident import IncidentError, read_incident
 
 
 class Sqrt(nn.Module):
@@ -136,7 +136,7 @@ def test_deterministic_bug_is_reproducible(monkeypatch, capsys):
     assert first["output"]["bad_count"] > 0
     out = capsys.readouterr().out
     assert "reproducible" in out and err.incident in out
-    from nanguard.inspect import main as inspect_main
+    from nanguard.incident.report import main as inspect_main
 
     assert inspect_main([err.incident]) == 0
     assert "trace        rank 0 forward: 2 (Sqrt, producer, micro-batch 0)" in capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_transient_fault_is_not_reproducible(monkeypatch, capsys):
     assert suspect["rank"] == 0 and suspect["host"] == err.event.host and suspect["device"] == "cpu"
     assert "transient" in report["message"] and err.event.host in report["message"]
     # inspect shows the verdict
-    from nanguard.inspect import main as inspect_main
+    from nanguard.incident.report import main as inspect_main
 
     capsys.readouterr()
     assert inspect_main([err.incident]) == 0

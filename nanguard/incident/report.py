@@ -11,9 +11,10 @@ import json
 import sys
 from typing import Any
 
-from .capture import Incident, IncidentError, read_incident
-from .events import Event
-from .replay import trace_lines
+from ..errors import IncidentError
+from ..events import Event
+from ..replay import trace_lines
+from .reader import Incident, read_incident
 
 
 def _size(n: int) -> str:

@@ -1,0 +1,66 @@
+"""Incident folders: every rank's state from before the bad update, written atomically and read
+back verified.
+
+    fsio      atomic writes, sha256, the JSON form, torch.save
+    rng       the random states of a process: snapshot, restore, their record on disk
+    manifest  the format: names, the manifest, every rule a manifest must follow
+    writer    one rank's part, the manifest, the replay report
+    reader    Incident and read_incident
+    report    what ``nanguard inspect`` prints (imported on its own: it needs the replay module)
+
+No hooks and no ``torch.distributed`` here: the caller (the guard) chooses the folder name on
+rank 0, broadcasts it, has every rank call ``write_rank``, gathers the rank records and calls
+``finalize`` on rank 0.
+"""
+
+from ..errors import IncidentError
+from .manifest import (
+    BATCHES,
+    ENVIRONMENT,
+    EVENTS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    REPLAY,
+    RNG,
+    STATE,
+    VERDICTS,
+)
+from .reader import Incident, read_incident
+from .rng import rng_restore, rng_snapshot
+from .writer import (
+    environment_record,
+    finalize,
+    incident_id,
+    new_incident_dir,
+    record_replay,
+    to_cpu,
+    to_device,
+    write_rank,
+)
+
+__all__ = [
+    "BATCHES",
+    "ENVIRONMENT",
+    "EVENTS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Incident",
+    "IncidentError",
+    "MANIFEST",
+    "REPLAY",
+    "RNG",
+    "STATE",
+    "VERDICTS",
+    "environment_record",
+    "finalize",
+    "incident_id",
+    "new_incident_dir",
+    "read_incident",
+    "record_replay",
+    "rng_restore",
+    "rng_snapshot",
+    "to_cpu",
+    "to_device",
+    "write_rank",
+]

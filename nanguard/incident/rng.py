@@ -1,0 +1,90 @@
+"""Every random state of a process: taken at the start of a step, kept on disk, put back for a replay."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def optional_numpy():
+    """numpy, or None where it is not installed (nanguard does not require it)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def cuda_in_use() -> bool:
+    # Never create a CUDA context just to read a state: a CPU job on a GPU host would pay for
+    # one on every rank, and a CUDA that was never initialised has drawn no random numbers.
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def rng_snapshot(numpy: bool = True) -> dict[str, Any]:
+    """Every RNG state of this process: python, numpy (if the process imported it), torch CPU,
+    each CUDA device in use. Only raw copies here, no device sync; ``rng_record`` turns them into
+    what ``torch.load(weights_only=True)`` reads back. Reading numpy's state costs about 80 us,
+    so the per-step snapshot leaves it out (``numpy=False``) and the capture adds it."""
+    module = sys.modules.get("numpy") if numpy else None  # never imported: nothing drawn from it
+    return {
+        "python": random.getstate(),
+        "numpy": module.random.get_state(legacy=False) if module is not None else None,
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [],
+    }
+
+
+def rng_record(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot as rng.pt holds it: numpy's state as plain values and an int64 tensor, which
+    ``torch.load(weights_only=True)`` reads back (numpy arrays it refuses)."""
+    record = dict(snapshot)
+    state = snapshot.get("numpy")
+    if state is not None and "state" in state:
+        numpy = optional_numpy()
+        record["numpy"] = {
+            "bit_generator": state["bit_generator"],
+            # uint32 -> int64: a dtype every torch version saves and loads
+            "key": torch.from_numpy(state["state"]["key"].astype(numpy.int64)),
+            "pos": int(state["state"]["pos"]),
+            "has_gauss": int(state["has_gauss"]),
+            "gauss": float(state["gauss"]),
+        }
+    return record
+
+
+def rng_restore(snapshot: Mapping[str, Any]) -> list[str]:
+    """Puts back the states of ``rng_snapshot()``; returns notes on what could not be restored.
+
+    A replay on a machine without numpy or with fewer (or no) GPUs still runs: the notes say
+    which random numbers will differ, so the replay report can say so.
+    """
+    notes = []
+    random.setstate(snapshot["python"])
+    torch.set_rng_state(snapshot["torch"])
+    state = rng_record(snapshot).get("numpy")
+    if state is not None:
+        numpy = optional_numpy()
+        if numpy is None:
+            notes.append("numpy's random state was not restored: numpy is not installed here")
+        else:
+            numpy.random.set_state({
+                "bit_generator": state["bit_generator"],
+                "state": {"key": state["key"].numpy().astype(numpy.uint32), "pos": state["pos"]},
+                "has_gauss": state["has_gauss"],
+                "gauss": state["gauss"],
+            })
+    cuda = snapshot.get("cuda") or []
+    if cuda:
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for device, state in enumerate(cuda[:available]):
+            torch.cuda.set_rng_state(state, device)
+        if available < len(cuda):
+            notes.append(f"the CUDA random state of {len(cuda) - available} of {len(cuda)} device(s) was "
+                         f"not restored: this machine has {available} GPU(s); random numbers drawn "
+                         "on those devices will differ from the original run")
+    return notes
