@@ -27,10 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import forensics
 from . import incident as capture
-from ._dist import settle_gloo_workers
+from ._dist import Collectives, settle_gloo_workers
 from .config import Settings
 from .detector import Detector, grad_norms, gradients, stack
-from .incident import IncidentError
 from .errors import ConfigError, GuardClosedError, NanguardError, NonFiniteError, StopRequested
 from .events import Event, EventLog
 from .protocol import FIRST_EVENT_ORDER
@@ -532,64 +531,27 @@ class Guard:
         A failed write is reported and leaves no complete-looking folder; it never stops the
         error from being raised.
         """
-        dist = _distributed()
-        rank = _rank()
-        world = dist.get_world_size() if dist is not None else 1
-        path = None
-        if rank == 0:
-            try:
-                name = capture.incident_id(os.environ.get("TORCHELASTIC_RUN_ID"), event.step)
-                path = capture.new_incident_dir(self.settings.dir, name)
-            except (OSError, IncidentError) as exc:
-                log.error("nanguard: no incident written: cannot create a folder under %s (%s)",
-                          self.settings.dir, exc)
-        if dist is not None:
-            box = [path]
-            dist.broadcast_object_list(box, src=0)
-            path = box[0]
-        if path is None:
-            return None
         model = self._model_to_save()
-        record = None
-        try:
+
+        def collect() -> capture.RankPart:
             batches = None
             if self.settings.capture_batch:
                 root = self._detector.slot_of(model) if model is not None and self._detector.owns(
                     model) else None
-                batches = capture.to_cpu([{"args": a, "kwargs": k} for slot, a, k in
-                                          self._detector.batches if root is None or slot == root])
-            record = capture.write_rank(
-                path, rank,
+                batches = [{"args": a, "kwargs": k} for slot, a, k in
+                           self._detector.batches if root is None or slot == root]
+            return capture.RankPart(
                 model_state=_unwrap(model).state_dict() if model is not None else {},
                 optimizer_state=optimizer.state_dict() if optimizer is not None else None,
                 extra_states={name: obj.state_dict() for name, obj in self._states.items()},
                 batches=batches,
                 rng=self._rng_at_step_start(),
                 events=self.events,
-                environment=capture.environment_record(rank=rank, world_size=world,
-                                                       settings=self._settings_record()))
-        except Exception:  # noqa: BLE001
-            # Whatever failed here (a state_dict, a copy, the disk), this rank must still reach
-            # the collectives below, or every other rank would hang in them.
-            log.exception("nanguard: rank %d could not write its part of the incident", rank)
-        records: list[Any] = [record]
-        if dist is not None:
-            records = [None] * world
-            dist.all_gather_object(records, record)
-        complete = all(r is not None for r in records)
-        if rank == 0 and complete:
-            try:
-                capture.finalize(path, world_size=world, step=event.step, first_event=event,
-                                 rank_records=records, capture_batch=self.settings.capture_batch,
-                                 sharded=_sharding(model))
-            except IncidentError as exc:
-                log.error("nanguard: the incident could not be completed: %s", exc)
-                complete = False
-        if dist is not None:
-            box = [complete]
-            dist.broadcast_object_list(box, src=0)
-            complete = box[0]
-        return path if complete else None
+                settings=self._settings_record())
+
+        return capture.capture_incident(Collectives(), self.settings.dir, event, collect,
+                                        job_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                                        capture_batch=self.settings.capture_batch, sharded=_sharding(model))
 
     def _rng_at_step_start(self) -> dict[str, Any]:
         now = capture.rng_snapshot()

@@ -4,13 +4,12 @@ back verified.
     fsio      atomic writes, sha256, the JSON form, torch.save
     rng       the random states of a process: snapshot, restore, their record on disk
     manifest  the format: names, the manifest, every rule a manifest must follow
-    writer    one rank's part, the manifest, the replay report
+    writer    one rank's part, the manifest, the replay report; the capture across ranks
     reader    Incident and read_incident
     report    what ``nanguard inspect`` prints (imported on its own: it needs the replay module)
 
-No hooks and no ``torch.distributed`` here: the caller (the guard) chooses the folder name on
-rank 0, broadcasts it, has every rank call ``write_rank``, gathers the rank records and calls
-``finalize`` on rank 0.
+No hooks and no ``torch.distributed`` here: ``capture_incident`` takes its collectives as an
+argument and plain data from the caller.
 """
 
 from ..errors import IncidentError
@@ -29,6 +28,9 @@ from .manifest import (
 from .reader import Incident, read_incident
 from .rng import rng_restore, rng_snapshot
 from .writer import (
+    Collectives,
+    RankPart,
+    capture_incident,
     environment_record,
     finalize,
     incident_id,
@@ -41,6 +43,7 @@ from .writer import (
 
 __all__ = [
     "BATCHES",
+    "Collectives",
     "ENVIRONMENT",
     "EVENTS",
     "FORMAT",
@@ -50,8 +53,10 @@ __all__ = [
     "MANIFEST",
     "REPLAY",
     "RNG",
+    "RankPart",
     "STATE",
     "VERDICTS",
+    "capture_incident",
     "environment_record",
     "finalize",
     "incident_id",

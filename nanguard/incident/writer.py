@@ -1,4 +1,5 @@
-"""Writing an incident: one rank's part and the manifest that completes it.
+"""Writing an incident: one rank's part, the manifest that completes it, and the whole capture
+across ranks.
 
 Why a folder with a manifest can be trusted: each rank writes into a hidden temporary folder and
 renames it to ``rank<k>`` only once every file in it is on disk (fsync'ed); the manifest, which
@@ -10,13 +11,15 @@ as incomplete) or a complete incident, never one that looks complete and is not.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import platform
 import re
 import shutil
 import socket
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +43,8 @@ from .manifest import (
 )
 from .reader import read_incident
 from .rng import cuda_in_use, optional_numpy, rng_record
+
+log = logging.getLogger("nanguard")
 
 _MAX_ID_LENGTH = 64  # of the job-id part of a folder name: leaves room for "-stepN-K" under NAME_MAX
 
@@ -239,3 +244,110 @@ def record_replay(incident_dir: str, report: Mapping[str, Any], *, verify: bool 
     write_json(os.path.join(incident.path, MANIFEST), manifest)
     return path
 
+
+# --- one incident across ranks ----------------------------------------------------------------
+
+
+class Collectives(Protocol):
+    """What the capture needs of a process group: ``nanguard._dist.Collectives``, or a test's fake."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def active(self) -> bool:
+        """False before a process group exists: the collectives then reach this process alone."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPart:
+    """What one rank puts into an incident, as plain data (``write_rank`` says how each is saved)."""
+
+    model_state: Mapping[str, Any]
+    """the model's state_dict; tensors on any device"""
+    rng: Mapping[str, Any]
+    """an ``rng_snapshot()`` from the start of the step"""
+    events: Sequence[Event]
+    """this rank's recent events"""
+    optimizer_state: Any = None
+    extra_states: Mapping[str, Any] = field(default_factory=dict)
+    """other state_dicts by name ("scaler", "scheduler", ...)"""
+    batches: list[Any] | None = None
+    """the step's micro-batches as fed, [{"args": ..., "kwargs": ...}, ...]; copied to the CPU when
+    written; None: the batch must not go to disk"""
+    settings: Any = None
+    """the guard's settings as plain data (no secrets), for environment.json"""
+
+
+def capture_incident(collectives: Collectives, root: str, first_event: Event,
+                     collect: Callable[[], RankPart], *, job_id: str | None, capture_batch: bool,
+                     sharded: str | None) -> str | None:
+    """Every rank writes its part of one incident folder under ``root``; rank 0 writes the manifest last.
+
+    Called on every rank of the group at the same step, with the job's first event. Rank 0 creates
+    the folder (named by ``incident_id(job_id, first_event.step)``) and broadcasts its path; each
+    rank then calls ``collect()`` for its plain data and writes it; the rank records are gathered;
+    rank 0 writes the manifest if every rank succeeded, and broadcasts the outcome. ``sharded`` is
+    rank 0's note for the manifest (see ``finalize``).
+
+    Returns the folder on every rank when the incident is complete, else None on every rank, and
+    never raises for a failed capture (it is logged): whatever fails on a rank (``collect()``, a
+    copy, the disk), that rank still takes part in every collective, or every other rank would
+    wait in it forever. ``collect`` is called only once the folder exists, so a rank spends no
+    time or memory on a capture that cannot be written.
+    """
+    rank = collectives.rank
+    # Before init_process_group the collectives reach this process alone, whatever torchrun announced
+    world_size = collectives.world_size if collectives.active else 1
+    path = _new_folder(root, job_id, first_event.step) if rank == 0 else None
+    path = collectives.broadcast_object(path, src=0)
+    if path is None:
+        return None
+    record = _write_part(path, rank, world_size, collect)
+    records = collectives.all_gather_object(record)
+    complete = all(r is not None for r in records)
+    if rank == 0 and complete:
+        complete = _finalize(path, world_size=world_size, step=first_event.step, first_event=first_event,
+                             rank_records=records, capture_batch=capture_batch, sharded=sharded)
+    complete = collectives.broadcast_object(complete, src=0)
+    return path if complete else None
+
+
+def _new_folder(root: str, job_id: str | None, step: int) -> str | None:
+    try:
+        return new_incident_dir(root, incident_id(job_id, step))
+    except (OSError, IncidentError) as exc:
+        log.error("nanguard: no incident written: cannot create a folder under %s (%s)", root, exc)
+        return None
+
+
+def _write_part(path: str, rank: int, world_size: int,
+                collect: Callable[[], RankPart]) -> dict[str, Any] | None:
+    try:
+        part = collect()
+        return write_rank(
+            path, rank, model_state=part.model_state, optimizer_state=part.optimizer_state,
+            extra_states=part.extra_states, batches=None if part.batches is None else to_cpu(part.batches),
+            rng=part.rng, events=part.events,
+            environment=environment_record(rank=rank, world_size=world_size, settings=part.settings))
+    except Exception:  # noqa: BLE001
+        # Whatever failed here (a state_dict, a copy, the disk), this rank must still reach the
+        # collectives that follow, or every other rank would hang in them.
+        log.exception("nanguard: rank %d could not write its part of the incident", rank)
+        return None
+
+
+def _finalize(path: str, **manifest: Any) -> bool:
+    try:
+        finalize(path, **manifest)
+    except IncidentError as exc:
+        log.error("nanguard: the incident could not be completed: %s", exc)
+        return False
+    return True

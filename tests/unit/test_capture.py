@@ -407,7 +407,7 @@ def test_the_incident_package_exports_exactly_its_public_names():
     assert capture.__all__ == sorted(capture.__all__)
     assert set(capture.__all__) == {
         "BATCHES", "ENVIRONMENT", "EVENTS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "REPLAY", "RNG", "STATE",
-        "VERDICTS", "Incident", "IncidentError",
+        "VERDICTS", "Collectives", "Incident", "IncidentError", "RankPart", "capture_incident",
         "environment_record", "finalize", "incident_id", "new_incident_dir", "read_incident", "record_replay",
         "rng_restore", "rng_snapshot", "to_cpu", "to_device", "write_rank"}
     assert all(hasattr(capture, name) for name in capture.__all__)
