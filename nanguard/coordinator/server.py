@@ -2,8 +2,8 @@
 
 Per-rank state is kept by rank number. A rank is registered by any message that names its job
 (``hello``, but also ``heartbeat`` or ``events``: after a coordinator restart, ranks do not say
-hello again). Every accepted message is appended, as received, to a JSON-lines log:
-``{"received": <time>, "msg": <the envelope>}``.
+hello again). Every accepted message is appended, as received, to the event log
+(``eventlog.py``).
 
 A stop (from the policy, an operator, or a rank's ``stopped`` report) becomes one command per
 job, sent to every registered rank that has not said ``bye``, again every ``resend_s`` until the
@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, BinaryIO
+from typing import Any
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -32,6 +32,7 @@ from .. import __version__
 from ..errors import ProtocolError
 from ..events import json_float
 from ..wire import MAX_BYTES, Codec, ReplayFilter
+from .eventlog import EventLog
 from .metrics import Metrics
 from .policy import Policy
 
@@ -42,7 +43,6 @@ _DRAIN = 256
 _RCVHWM = 4
 _TICK_S = 0.5
 """how often liveness is recomputed"""
-_FSYNC_S = 1.0
 _REGISTERING = frozenset(("hello", "heartbeat", "events", "captured", "stopped"))
 """message types that name a job and register their rank"""
 _BAD_LOG_S = 10.0
@@ -128,15 +128,10 @@ class Coordinator:
         self._next_resend = math.inf
         """when unacked stop commands are sent again (inf: none pending)"""
         self._next_tick = 0.0
-        self._written = False
-        """log lines written since the last flush"""
-        self._sync_now = False
-        """a stop was decided: have the log on disk right after this batch"""
-        self._fsync: _LogSyncer | None = None
         self._bad_logged_at: dict[str, float] = {}
         self._bad_unlogged: dict[str, int] = {}
         self._socket: zmq.Socket | None = None
-        self._log: BinaryIO | None = None
+        self._log: EventLog | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._handlers = {
@@ -152,11 +147,7 @@ class Coordinator:
         """Open the log, bind the socket (errors are raised here) and start the loop thread."""
         if self._thread is not None:
             raise RuntimeError("coordinator already started")
-        try:
-            self._log = open(self.log_path, "ab", buffering=1 << 20)
-        except OSError as exc:
-            raise OSError(f"coordinator cannot open its log {self.log_path}: {exc.strerror}; "
-                          "nothing was started") from exc
+        self._log = EventLog(self.log_path)
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -174,7 +165,6 @@ class Coordinator:
             self._log.close()
             raise OSError(f"coordinator cannot bind {self.bind}: {exc}; nothing was started") from exc
         self._socket = sock
-        self._fsync = _LogSyncer(self._log.fileno(), self.log_path)
         self._thread = threading.Thread(target=self._run, name="nanguard-coordinator", daemon=True)
         self._thread.start()
         log.info("listening on %s, job %s, logging to %s", self.address, self._job or "(first seen)",
@@ -209,9 +199,6 @@ class Coordinator:
             self._loop(sock)
         finally:
             sock.close(linger=0)
-            self._fsync.close()
-            self._log.flush()
-            os.fsync(self._log.fileno())
             self._log.close()
             log.info("stopped; log %s synced", self.log_path)
 
@@ -227,11 +214,7 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._handle(frames, time.time())
-                if self._written:
-                    self._log.flush()
-                    self._written = False
-                    self._fsync.written(now=self._sync_now)
-                    self._sync_now = False
+                self._log.end_batch()
             now = time.time()
             if now >= self._next_resend:
                 self._resend(now)
@@ -265,8 +248,7 @@ class Coordinator:
             log.exception("internal error handling a %s message from %s; message dropped, "
                           "coordinator goes on", message.type, message.sender)
             return
-        self._log.write(b'{"received":%.6f,"msg":%s}\n' % (now, message.payload))
-        self._written = True
+        self._log.append(now, message.payload)
 
     def _bad(self, reason: str, identity: bytes, text: str, now: float) -> None:
         self.metrics.bad_message(reason)
@@ -410,7 +392,7 @@ class Coordinator:
         log.warning("stopping job %s (%s): %s; command %s sent to %d rank(s) in %.1f ms", self._job,
                     origin, reason, self._stop.command_id, len(targets),
                     (time.perf_counter() - started) * 1e3)
-        self._sync_now = True  # on disk right after this batch of messages
+        self._log.sync_soon()
         return self._stop
 
     def _send_stop(self, targets: list[RankState], now: float) -> None:
@@ -453,42 +435,3 @@ class Coordinator:
         self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled, finished=finished)
         self._next_tick = now + _TICK_S
 
-
-class _LogSyncer:
-    """fsyncs the log from its own thread, so that the loop never waits on the disk (20 MB a
-    second of events take ~40 ms to sync here): each second while lines are written, and at
-    once when asked (after a stop decision)."""
-
-    def __init__(self, fileno: int, path: str):
-        self._fileno = fileno
-        self._path = path
-        self._dirty = False
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nanguard-coordinator-fsync", daemon=True)
-        self._thread.start()
-
-    def written(self, now: bool = False) -> None:
-        """Lines were flushed to the file; ``now``: sync them without waiting for the second."""
-        self._dirty = True
-        if now:
-            self._wake.set()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._stopping.set()
-        self._wake.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.error("log fsync thread did not stop within %.1f s (a slow disk?)", timeout_s)
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._wake.wait(_FSYNC_S)
-            self._wake.clear()
-            if self._dirty:
-                self._dirty = False  # before the sync: lines written during it count again
-                try:
-                    os.fsync(self._fileno)
-                except OSError as exc:
-                    log.error("cannot fsync the log %s: %s; the coordinator goes on, and lines since "
-                              "the last sync may be lost if the machine crashes", self._path, exc)
