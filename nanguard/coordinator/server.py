@@ -6,20 +6,15 @@
     coordinator -> operator   status, stop_accepted
 
 The loop decodes each message (``wire.Codec``), refuses replays, and hands it to the handler of
-its type; the rank table (``ranks.py``) keeps who is there, the policy (``policy.py``) decides
-when to stop. Every accepted message is appended, as received, to the event log
-(``eventlog.py``). Bad messages are counted and dropped: nothing a client sends can crash the
-loop or stop a job.
-
-A stop (from the policy, an operator, or a rank's ``stopped`` report) becomes one command per
-job, sent to every registered rank that has not said ``bye``, again every ``resend_s`` until the
-rank acks it; ranks registering later get it too.
+its type; the rank table (``ranks.py``) keeps who is there, the stop fan-out (``stop.py``) the
+job's stop command, the policy (``policy.py``) decides when to stop. Every accepted message is
+appended, as received, to the event log (``eventlog.py``). Bad messages are counted and dropped:
+nothing a client sends can crash the loop or stop a job.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import socket
@@ -27,7 +22,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
@@ -42,6 +36,7 @@ from .eventlog import EventLog
 from .metrics import Metrics
 from .policy import Policy
 from .ranks import REGISTERING, Admission, RankState, RankTable
+from .stop import StopCommand, StopFanout
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -52,20 +47,6 @@ _TICK_S = 0.5
 """how often liveness is recomputed"""
 _BAD_LOG_S = 10.0
 """at most one log line per bad-message reason this often (a flood must not flood the log)"""
-
-
-@dataclass(slots=True)
-class StopCommand:
-    command_id: str
-    origin: str
-    """policy | operator"""
-    reason: str
-    time: float
-    acked: set[int] = field(default_factory=set)
-
-    def status(self) -> dict[str, Any]:
-        return {"command_id": self.command_id, "origin": self.origin, "reason": self.reason,
-                "time": self.time, "acked": sorted(self.acked)}
 
 
 class Coordinator:
@@ -97,10 +78,8 @@ class Coordinator:
         self._replay = ReplayFilter()
         self._ranks = RankTable(self.metrics, job=job, dead_after_s=dead_after_s,
                                 stall_after_s=stall_after_s)
-        self.resend_s = resend_s
-        self._stop: StopCommand | None = None
-        self._next_resend = math.inf
-        """monotonic time when unacked stop commands are sent again (inf: none pending)"""
+        self._stops = StopFanout(self._ranks, self.metrics, self._codec.encode, self._send_to_each,
+                                 resend_s=resend_s)
         self._next_tick = 0.0
         """monotonic time of the next liveness tick"""
         self._bad = _BadMessages(self.metrics)
@@ -168,7 +147,7 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._closing.is_set():
-            wait_s = min(self._next_tick, self._next_resend) - time.monotonic()
+            wait_s = min(self._next_tick, self._stops.next_resend) - time.monotonic()
             if poller.poll(max(0.0, min(_TICK_S, wait_s)) * 1000):
                 for _ in range(_DRAIN):
                     try:
@@ -178,8 +157,7 @@ class Coordinator:
                     self._handle(frames, Instant.now())
                 self._log.end_batch()
             at = Instant.now()
-            if at.mono >= self._next_resend:
-                self._resend(at)
+            self._stops.resend_due(at)
             if at.mono >= self._next_tick:
                 self._ranks.tick(at)
                 self._next_tick = at.mono + _TICK_S
@@ -219,12 +197,11 @@ class Coordinator:
                       f"job {self._ranks.job!r} and it still has ranks alive", at)
             return False
         if admission is Admission.NEW_JOB:
-            self._stop = None
-            self._next_resend = math.inf
+            self._stops.reset()
             self.policy.reset()
         state, registered = self._ranks.seen(body["rank"], identity, at)
-        if registered and self._stop is not None:
-            self._send_stop([state], at)
+        if registered:
+            self._stops.registered(state, at)
         return handler(state, body, identity, at)
 
     # A handler gets the sender's RankState when its type is in REGISTERING (the job is
@@ -241,7 +218,7 @@ class Coordinator:
         state.events += len(events)
         kinds = Counter(map(itemgetter("kind"), events))
         self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()})
-        if self._stop is None and not self.policy.stop_kinds.isdisjoint(kinds):
+        if self._stops.command is None and not self.policy.stop_kinds.isdisjoint(kinds):
             action = body.get("action")
             for event in events:
                 decision = self.policy.observe(event["kind"], event["rank"], event["step"],
@@ -256,7 +233,7 @@ class Coordinator:
 
     def _on_stopped(self, state: RankState, body: dict[str, Any], identity: bytes, at: Instant) -> None:
         log.info("rank %d stopped at step %d (%s)", state.rank, body["step"], body["reason"])
-        if self._stop is None:
+        if self._stops.command is None:
             # the ranks decided (on a non-finite value, usually): tell every other rank too
             origin = "operator" if body["reason"] == "operator" else "policy"
             self._begin_stop(origin, f"rank {state.rank} stopped at step {body['step']} "
@@ -265,8 +242,7 @@ class Coordinator:
     def _on_ack(self, state: None, body: dict[str, Any], identity: bytes, at: Instant) -> None:
         if body["rank"] in self._ranks:  # else an ack to a coordinator before a restart
             self._ranks.seen(body["rank"], identity, at)
-            if self._stop is not None and body["command_id"] == self._stop.command_id:
-                self._stop.acked.add(body["rank"])
+            self._stops.ack(body["rank"], body["command_id"])
 
     def _on_bye(self, state: None, body: dict[str, Any], identity: bytes, at: Instant) -> bool:
         if body["job"] != self._ranks.job:
@@ -278,46 +254,17 @@ class Coordinator:
 
     def _on_status_request(self, state: None, body: dict[str, Any], identity: bytes, at: Instant) -> None:
         self._reply(identity, "status", {"job": self._ranks.job, "ranks": self._ranks.status(),
-                                         "stop": None if self._stop is None else self._stop.status()})
+                                         "stop": self._stops.status()})
 
     def _on_stop_request(self, state: None, body: dict[str, Any], identity: bytes, at: Instant) -> None:
         command, made = self._begin_stop("operator", body["reason"], "operator", at)
         self._reply(identity, "stop_accepted", {"command_id": command.command_id, "existing": not made})
 
-    # --- stopping -------------------------------------------------------------------------
-
     def _begin_stop(self, origin: str, reason: str, label: str, at: Instant) -> tuple[StopCommand, bool]:
-        """The job's stop command, and True when this call made it (counted under ``label``
-        and sent to every unfinished rank); the existing command and False after that."""
-        if self._stop is not None:
-            return self._stop, False
-        self._stop = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall)
-        self.metrics.stop(label)
-        targets = self._ranks.unfinished()
-        started = time.perf_counter()
-        self._send_stop(targets, at)
-        log.warning("stopping job %s (%s): %s; command %s sent to %d rank(s) in %.1f ms", self._ranks.job,
-                    origin, reason, self._stop.command_id, len(targets),
-                    (time.perf_counter() - started) * 1e3)
-        self._log.sync_soon()
-        return self._stop, True
-
-    def _send_stop(self, targets: list[RankState], at: Instant) -> None:
-        if not targets:
-            return
-        stop = self._stop
-        frames = self._codec.encode("stop", {"command_id": stop.command_id, "reason": stop.reason,
-                                             "origin": stop.origin})
-        self._send_to_each([state.routing_id for state in targets], frames)
-        self._next_resend = at.mono + self.resend_s
-
-    def _resend(self, at: Instant) -> None:
-        acked = self._stop.acked
-        pending = [state for state in self._ranks.unfinished() if state.rank not in acked]
-        if pending:
-            self._send_stop(pending, at)
-        else:
-            self._next_resend = math.inf
+        command, made = self._stops.begin(origin, reason, label, at)
+        if made:
+            self._log.sync_soon()
+        return command, made
 
     # --- sending (coordinator -> rank, coordinator -> operator) -----------------------------
 
