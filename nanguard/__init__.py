@@ -11,6 +11,7 @@ from .errors import (
     NanguardError,
     NonFiniteError,
     ProtocolError,
+    ReplayFinished,
     StopRequested,
 )
 from .events import Event
@@ -23,6 +24,7 @@ __all__ = [
     "NanguardError",
     "NonFiniteError",
     "ProtocolError",
+    "ReplayFinished",
     "StopRequested",
     "destroy_process_group",
     "init",
@@ -32,7 +34,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in ("Guard", "init"):
-        from . import guard
+        from .rank import guard
 
         return getattr(guard, name)
     raise AttributeError(f"module 'nanguard' has no attribute {name!r}")

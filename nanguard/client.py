@@ -42,6 +42,88 @@ _WARN_EVERY_S = 60.0
 OnStop = Callable[[str, str, str], None]
 
 
+class Outbox:
+    """What waits to be sent: control messages first, then queued events; shared by the training
+    thread (which only puts, never blocking) and the client thread (which takes).
+
+    ``identity``: the rank's ``hello`` body; every control message names its rank and job.
+    """
+
+    def __init__(self, identity: dict[str, Any], queue_size: int):
+        self.identity = identity
+        self.control: deque[tuple[str, dict[str, Any]]] = deque()
+        """(type, body) of messages other than events, sent in order before any event"""
+        self._queue: queue.Queue[tuple[Event, str]] = queue.Queue(queue_size)
+        self._latest: tuple[int, float | None, float | None] = (0, None, None)
+        self._carry: tuple[Event, str] | None = None
+        self._dropped_queued = 0
+        """dropped by the training thread (queue full); under _drop_lock"""
+        self.dropped_sent = 0
+        """dropped by the client thread (could not send)"""
+        self._drop_lock = threading.Lock()
+
+    # --- training thread ------------------------------------------------------------------
+    def put_event(self, event: Event, action: str) -> bool:
+        try:
+            self._queue.put_nowait((event, action))
+            return True
+        except queue.Full:
+            with self._drop_lock:
+                self._dropped_queued += 1
+            return False
+
+    def update(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        self._latest = (step, step_time_s, grad_norm)
+
+    def put_control(self, type_: str, fields: dict[str, Any]) -> bool:
+        """A message naming this rank and its job; False (dropped) when too many wait."""
+        if len(self.control) >= _MAX_CONTROL:
+            return False
+        self.control.append((type_, {"rank": self.identity["rank"], "job": self.identity["job"], **fields}))
+        return True
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped so far: queue full, or not sendable."""
+        return self._dropped_queued + self.dropped_sent
+
+    # --- client thread --------------------------------------------------------------------
+    def heartbeat(self) -> dict[str, Any]:
+        step, step_time_s, grad_norm = self._latest
+        if step_time_s is not None and not (math.isfinite(step_time_s) and step_time_s >= 0):
+            step_time_s = None
+        identity = self.identity
+        return {"rank": identity["rank"], "world_size": identity["world_size"], "job": identity["job"],
+                "host": identity["host"], "pid": identity["pid"], "step": step,
+                "step_time_s": step_time_s, "dropped": self.dropped, "grad_norm": json_float(grad_norm)}
+
+    def empty(self) -> bool:
+        return not self.control and self._carry is None and self._queue.empty()
+
+    def take_batch(self) -> list[tuple[Event, str]]:
+        """Up to MAX_EVENTS queued events that share one action."""
+        batch = [self._carry] if self._carry is not None else []
+        self._carry = None
+        while len(batch) < MAX_EVENTS:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if batch and item[1] != batch[0][1]:
+                self._carry = item
+                break
+            batch.append(item)
+        return batch
+
+    def drop_unsent(self) -> tuple[int, int]:
+        """Forget what is left (closing): (events, other messages but ``bye``)."""
+        events = 0
+        while batch := self.take_batch():
+            events += len(batch)
+        self.dropped_sent += events
+        return events, sum(type_ != "bye" for type_, _ in self.control)
+
+
 class Client:
     """One rank's link to the coordinator at ``address``.
 
@@ -76,15 +158,7 @@ class Client:
         # one routing id per rank and job: a reconnecting rank takes its place (ROUTER_HANDOVER)
         self._routing_id = f"rank{rank}@{identity['job']}".encode()[:255]
         self._replay = ReplayFilter(max_senders=16)
-        self._queue: queue.Queue[tuple[Event, str]] = queue.Queue(queue_size)
-        self._control: deque[tuple[str, dict[str, Any]]] = deque()
-        self._latest: tuple[int, float | None, float | None] = (0, None, None)
-        self._dropped_queued = 0
-        """dropped by the training thread (queue full); under _drop_lock"""
-        self._dropped_sent = 0
-        """dropped by the client thread (could not send)"""
-        self._drop_lock = threading.Lock()
-        self._carry: tuple[Event, str] | None = None
+        self._outbox = Outbox(self.identity, queue_size)
         self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
         self._connected = False
         self._next_heartbeat = 0.0
@@ -107,17 +181,11 @@ class Client:
         queue is full: the event is dropped and counted."""
         if action not in POLICIES:
             raise ValueError(f"action {action!r} is not one of {', '.join(POLICIES)}")
-        try:
-            self._queue.put_nowait((event, action))
-            return True
-        except queue.Full:
-            with self._drop_lock:
-                self._dropped_queued += 1
-            return False
+        return self._outbox.put_event(event, action)
 
     def update(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
         """The values the next heartbeat carries."""
-        self._latest = (step, step_time_s, grad_norm)
+        self._outbox.update(step, step_time_s, grad_norm)
 
     def captured(self, step: int, incident: str) -> None:
         """Tell the coordinator this rank wrote its state of ``step`` into ``incident``."""
@@ -132,7 +200,7 @@ class Client:
     @property
     def dropped(self) -> int:
         """Events dropped so far: queue full, or not sendable."""
-        return self._dropped_queued + self._dropped_sent
+        return self._outbox.dropped
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Say ``bye``, send what can be sent within ``timeout_s``, stop the thread, close the
@@ -141,7 +209,7 @@ class Client:
         if thread is None or self._stopping.is_set():
             return
         # the last step reached, which a heartbeat period may not have shown yet, then goodbye
-        self._control.append(("heartbeat", self._heartbeat()))
+        self._outbox.control.append(("heartbeat", self._outbox.heartbeat()))
         self._control_message("bye", {})
         self._close_deadline = time.monotonic() + 0.8 * timeout_s
         self._stopping.set()
@@ -160,12 +228,9 @@ class Client:
         self.close()
 
     def _control_message(self, type_: str, fields: dict[str, Any]) -> None:
-        if len(self._control) >= _MAX_CONTROL:
+        if not self._outbox.put_control(type_, fields):
             log.warning("nanguard: %d messages to the coordinator at %s wait unsent; this %s message "
-                        "is dropped", len(self._control), self.address, type_)
-            return
-        body = {"rank": self.identity["rank"], "job": self.identity["job"], **fields}
-        self._control.append((type_, body))
+                        "is dropped", len(self._outbox.control), self.address, type_)
 
     # --- client thread --------------------------------------------------------------------
 
@@ -218,7 +283,7 @@ class Client:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 # first contact, or a coordinator restarted: introduce this rank (first in line)
-                self._control.appendleft(("hello", self.identity))
+                self._outbox.control.appendleft(("hello", self.identity))
                 self._next_heartbeat = 0.0
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
@@ -239,7 +304,7 @@ class Client:
                            f"{self.address}: {exc}")
                 continue
             command_id = message.body["command_id"]
-            self._control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
+            self._outbox.control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
             if command_id in self._delivered:
                 continue  # sent again because our ack was late: already handed on
             self._delivered.append(command_id)
@@ -253,48 +318,25 @@ class Client:
     def _send(self, sock: zmq.Socket, now: float) -> bool:
         """Send control messages, a due heartbeat, queued events; True when nothing is left."""
         if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            return not self._control and self._carry is None and self._queue.empty()
-        while self._control:
-            type_, body = self._control[0]
+            return self._outbox.empty()
+        control = self._outbox.control
+        while control:
+            type_, body = control[0]
             if not self._send_one(sock, type_, body):
                 return False
-            self._control.popleft()
+            control.popleft()
         if now >= self._next_heartbeat:
-            self._send_one(sock, "heartbeat", self._heartbeat())
+            self._send_one(sock, "heartbeat", self._outbox.heartbeat())
             self._next_heartbeat = now + self.heartbeat_s
         for _ in range(_BATCHES_PER_TURN):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
                 return False  # ZeroMQ's buffer is full: the events wait in the queue
-            batch = self._take_batch()
+            batch = self._outbox.take_batch()
             if not batch:
                 return True
             if not self._send_events(sock, batch):
                 return False
         return False
-
-    def _heartbeat(self) -> dict[str, Any]:
-        step, step_time_s, grad_norm = self._latest
-        if step_time_s is not None and not (math.isfinite(step_time_s) and step_time_s >= 0):
-            step_time_s = None
-        identity = self.identity
-        return {"rank": identity["rank"], "world_size": identity["world_size"], "job": identity["job"],
-                "host": identity["host"], "pid": identity["pid"], "step": step,
-                "step_time_s": step_time_s, "dropped": self.dropped, "grad_norm": json_float(grad_norm)}
-
-    def _take_batch(self) -> list[tuple[Event, str]]:
-        """Up to MAX_EVENTS queued events that share one action."""
-        batch = [self._carry] if self._carry is not None else []
-        self._carry = None
-        while len(batch) < MAX_EVENTS:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if batch and item[1] != batch[0][1]:
-                self._carry = item
-                break
-            batch.append(item)
-        return batch
 
     def _send_events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
         body = {"rank": self.identity["rank"], "job": self.identity["job"],
@@ -303,7 +345,7 @@ class Client:
             frames = self._codec.encode("events", body)
         except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold
             if len(batch) == 1:
-                self._dropped_sent += 1
+                self._outbox.dropped_sent += 1
                 self._warn("unsendable", f"nanguard: an event that cannot be sent to the coordinator "
                            f"was dropped ({exc}): {batch[0][0]}")
                 return True
@@ -312,7 +354,7 @@ class Client:
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            self._dropped_sent += len(batch)
+            self._outbox.dropped_sent += len(batch)
             return False
         return True
 
@@ -331,14 +373,10 @@ class Client:
         return True
 
     def _drop_unsent(self) -> None:
-        events = 0
-        while batch := self._take_batch():
-            events += len(batch)
-        self._dropped_sent += events
-        others = [type_ for type_, _ in self._control if type_ != "bye"]
+        events, others = self._outbox.drop_unsent()
         if events or others:
             log.warning("nanguard: closing with %d event(s) and %d other message(s) not sent to the "
-                        "coordinator at %s", events, len(others), self.address)
+                        "coordinator at %s", events, others, self.address)
 
     def _warn(self, key: str, text: str) -> None:
         now = time.monotonic()

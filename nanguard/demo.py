@@ -28,12 +28,9 @@ _SHOWN_METRICS = ("nanguard_nonfinite_events_total", "nanguard_stops_total", "na
 
 
 # --------------------------------------------------------------------------- the training job
-def worker(steps: int = 40, bad_step: int = 25) -> int:
-    """One rank of the demo job (or a one-process run): train until the bad step stops it."""
-    import torch
+def _model():
+    """A small transformer classifier (torch is imported here: the CLI must not need it)."""
     from torch import nn
-
-    import nanguard
 
     class Model(nn.Module):
         def __init__(self, vocab: int = 64, width: int = 32, depth: int = 2, classes: int = 4):
@@ -44,11 +41,21 @@ def worker(steps: int = 40, bad_step: int = 25) -> int:
                                            batch_first=True) for _ in range(depth))
             self.head = nn.Linear(width, classes)
 
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        def forward(self, tokens):
             h = self.embed(tokens)
             for block in self.blocks:
                 h = block(h)
             return self.head(h.mean(dim=1))
+
+    return Model()
+
+
+def worker(steps: int = 40, bad_step: int = 25) -> int:
+    """One rank of the demo job (or a one-process run): train until the bad step stops it."""
+    import torch
+    from torch import nn
+
+    import nanguard
 
     dist = torch.distributed
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -57,7 +64,7 @@ def worker(steps: int = 40, bad_step: int = 25) -> int:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     torch.manual_seed(0)
-    net = Model()
+    net = _model()
     model = nn.parallel.DistributedDataParallel(net) if distributed else net
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = nanguard.init(model, optimizer)

@@ -8,6 +8,11 @@
      ├── ProtocolError      (also a ValueError)   a malformed or unauthenticated wire message
      ├── IncidentError      (also a ValueError)   an incident folder cannot be written or read
      └── CoordinatorUnreachable                   an operator request got no valid reply
+    SystemExit
+     └── ReplayFinished                           a replay ran its step and wrote its report
+
+``ReplayFinished`` is a ``SystemExit`` (exit code 0) on purpose: the unchanged training script
+that a replay runs ends quietly at the replayed step, unless it catches this exception.
 
 Catch ``RuntimeError`` to treat a nanguard stop like any other training failure, or
 ``nanguard.NonFiniteError`` to handle it on purpose.
@@ -81,3 +86,13 @@ class IncidentError(NanguardError, ValueError):
 
 class CoordinatorUnreachable(NanguardError):
     """No valid reply from the coordinator within the timeout."""
+
+
+class ReplayFinished(SystemExit):
+    """``NANGUARD_REPLAY``: the replayed step ran to its optimizer step, before any update, and
+    its report was written (``report``: the replay.json content, ``path``: where, or None)."""
+
+    def __init__(self, report: dict | None = None, path: str | None = None):
+        super().__init__(0)
+        self.report = report
+        self.path = path

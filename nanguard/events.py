@@ -7,6 +7,7 @@ travel as the strings "nan", "inf", "-inf"), one line through ``str()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections import deque
@@ -161,6 +162,12 @@ _CHECKS = {
     "shape": _INTS, "first_index": _INTS, "extra": _OBJECT,
 }
 _INT_TYPE = frozenset((int,))
+_NONE = type(None)
+# per check: (value types that can be valid, the exact types whose values need no look; None: all)
+_TYPE_RULES = {
+    _INT: ((int,), None), _OPTIONAL_INT: ((int, _NONE), None), _FLOAT: ((float, int, str, _NONE), (float, _NONE)),
+    _STR: ((str,), None), _INTS: ((list, tuple, _NONE), (_NONE,)), _OBJECT: ((dict,), None),
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -174,34 +181,34 @@ def event_values(data: Any) -> dict[str, Any]:
     ``Event.from_dict`` is this plus the constructor; the coordinator, which needs no Event
     objects, validates with this alone (the constructor costs more than the checks).
     """
-    if data.__class__ is dict:
-        # Most of the checks depend only on which fields are there and the types of their
-        # values; a (names, types) pair seen valid before leaves a few value checks to do.
-        signature = (tuple(data), tuple(map(type, data.values())))
-        plan = _PLANS.get(signature)
-        if plan is not None:
-            if data["kind"] not in KINDS:
-                raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
-            values = dict(data)
-            for name, check in plan:
-                values[name] = _check_value(check, name, data[name])
-            return values
-    values = _checked_values(data)
-    if data.__class__ is dict and len(_PLANS) < _MAX_PLANS:
-        _PLANS[signature] = tuple((name, check) for name, check in _CHECKS.items()
-                                  if name in data and _needs_value_check(check, data[name]))
+    # Most of the checks depend only on which fields are there and the types of their values;
+    # for a (names, types) pair that can be valid, a few value checks are left to do.
+    plan = _plan(tuple(data), tuple(map(type, data.values()))) if data.__class__ is dict else None
+    if plan is None:
+        return _checked_values(data)  # slowly, and saying what is wrong
+    if data["kind"] not in KINDS:
+        raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+    values = dict(data)
+    for name, check in plan:
+        values[name] = _check_value(check, name, data[name])
     return values
 
 
-_MAX_PLANS = 1024
-_PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], tuple[tuple[str, int], ...]] = {}
-"""field names and value types of valid events -> the fields whose values still need a look"""
-
-
-def _needs_value_check(check: int, value: Any) -> bool:
-    """Whether a valid value of this type could be followed by an invalid one of the same type."""
-    return (check == _FLOAT and value.__class__ is not float and value is not None) or (
-        check == _INTS and value is not None)
+@functools.lru_cache(maxsize=1024)
+def _plan(names: tuple[str, ...], types: tuple[type, ...]) -> tuple[tuple[str, int], ...] | None:
+    """For events with these field names and value types: the fields whose values still need a
+    look; None when such an event cannot be valid (or would need a closer look everywhere)."""
+    if not _FIELD_NAMES.issuperset(names) or not all(name in names for name in _REQUIRED):
+        return None
+    plan = []
+    for name, kind in zip(names, types):
+        check = _CHECKS.get(name)
+        valid, settled = _TYPE_RULES.get(check, ((object,), None))
+        if not issubclass(kind, valid) or kind is bool and bool not in valid:
+            return None
+        if settled is not None and kind not in settled:
+            plan.append((name, check))
+    return tuple(plan)
 
 
 def _check_value(check: int, name: str, value: Any) -> Any:

@@ -9,8 +9,11 @@ The unchanged training script runs with ``NANGUARD_REPLAY=DIR``; ``nanguard.init
   module's output and every gradient that flows back into a module's output or reaches a
   parameter is checked synchronously, in the order it happens (the *trace*);
 - at the optimizer step (before any update) compares the job's first event with the
-  original one, writes ``replay.json`` into the incident, prints the report and ends the
-  process with exit code 0 before the script's loop goes on.
+  original one, writes ``replay.json`` into the incident, prints the report and raises
+  ``ReplayFinished`` (a ``SystemExit`` with code 0), which ends the unchanged script there.
+
+The guard calls a ``StepObserver`` at its few decision points whether or not a replay runs;
+``Replay`` is the one that does something.
 
 The verdict is ``reproducible`` when the same kind of event happens again in the same layer
 at the same step: a deterministic bug in the model, the data or the code. Otherwise it is
@@ -32,13 +35,15 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from . import forensics
 from . import incident as capture
+from ._dist import Collectives
+from ._tree import floating_tensors
 from .incident import Incident, IncidentError
 from .config import Settings
-from .detector import floating_tensors, plain_name
-from .errors import NanguardError
+from .errors import NanguardError, ReplayFinished
 from .events import Event
+from .rank import forensics
+from .rank.modules import plain_names, unwrap
 
 log = logging.getLogger("nanguard")
 
@@ -72,8 +77,34 @@ def _check_model_state(model: nn.Module, state: dict[str, Any], path: str) -> No
                                   "script and model configuration that made the incident")
 
 
-class Replay:
-    """One rank's replay of an incident; the guard calls it at its few decision points."""
+class StepObserver:
+    """What a guard tells about its steps; this one does nothing (no replay)."""
+
+    step: int | None = None
+    """the step the guard starts counting from (a replay's incident step), or None"""
+    stepped: bool = False
+    """whether the first step is decided at an optimizer step even before one is seen"""
+
+    def forensic(self, settings: Settings) -> Settings:
+        """The guard's settings for what is observed."""
+        return settings
+
+    def model_attached(self, root: nn.Module, param_names: dict[int, str]) -> None:
+        """``root`` (with parameters) is now guarded."""
+
+    def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
+        """The guard met these optimizers (and scaler, scheduler states)."""
+
+    def first_call(self, root: nn.Module, args: tuple) -> tuple | None:
+        """The first forward of a root found by a bare ``init()``: arguments to use instead, or None."""
+        return None
+
+    def decided(self, event: Event | None) -> None:
+        """A step was decided: its job's first event, or None when it was clean."""
+
+
+class Replay(StepObserver):
+    """One rank's replay of an incident."""
 
     def __init__(self, incident: Incident, rank: int, world: int):
         self.incident = incident
@@ -111,23 +142,28 @@ class Replay:
                                    on_nan="raise", grad_norm_warn=None)
 
     @property
+    def step(self) -> int:
+        return self.incident.step
+
+    @property
     def stepped(self) -> bool:
         """Whether the original step ended at an optimizer step (not at the end of a forward)."""
         return self.state.get("optimizer") is not None
 
     # ------------------------------------------------------------------ loading
-    def load_model(self, root: nn.Module, unwrapped: nn.Module, param_names: dict[int, str]) -> None:
-        """Loads the captured weights into ``unwrapped`` and hooks ``root`` for the replay;
-        ``param_names``: qualified names by ``id(param)``, as the guard's reports use them."""
+    def model_attached(self, root: nn.Module, param_names: dict[int, str]) -> None:
+        """Loads the captured weights into the model inside ``root``'s wrappers and hooks ``root``
+        for the replay; ``param_names``: qualified names by ``id(param)``, as reports use them."""
         if self._model_loaded:
             return
+        unwrapped = unwrap(root)
         _check_model_state(unwrapped, self.state["model"], self._state_path)
         with torch.no_grad():
             unwrapped.load_state_dict(self.state["model"])
         self._model_loaded = True
         self._install(root, param_names)
 
-    def load_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
+    def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
         first step), and the scaler's and scheduler's given to ``init``."""
         saved = self.state.get("optimizer")
@@ -158,7 +194,7 @@ class Replay:
         return os.path.join(self.incident.path, f"rank{self.rank}", capture.STATE)
 
     # ------------------------------------------------------------------ feeding the step
-    def first_call(self, root: nn.Module, args: tuple) -> tuple:
+    def first_call(self, root: nn.Module, args: tuple) -> tuple | None:
         """The first forward of a root found by a bare ``init()``: its hooks only fire from the
         next call on, and a process-wide hook can replace positional arguments only."""
         new = self._feed(root, args, {})
@@ -199,7 +235,7 @@ class Replay:
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
         traced = set()
-        for module, name in plain_name(root).items():
+        for module, name in plain_names(root).items():
             if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
                 traced.add(name)
                 self._handles.append(module.register_forward_hook(self._forward_trace(name)))
@@ -250,28 +286,24 @@ class Replay:
         return hook
 
     # ------------------------------------------------------------------ the verdict
-    def finish(self, event: Event | None) -> NoReturn:
-        """Compare with the original, write replay.json (rank 0), print, and end the process."""
+    def decided(self, event: Event | None) -> NoReturn:
+        """Compare with the original, write replay.json (rank 0), print, and end the script."""
         for handle in self._handles:
             handle.remove()
-        dist = torch.distributed
-        traces: list[Any] = [{"rank": self.rank, "trace": self.trace, "notes": self.notes}]
-        if dist.is_available() and dist.is_initialized() and self.world > 1:
-            traces = [None] * self.world
-            dist.all_gather_object(traces, {"rank": self.rank, "trace": self.trace, "notes": self.notes})
+        collectives = Collectives()
+        traces = collectives.all_gather_object({"rank": self.rank, "trace": self.trace, "notes": self.notes})
+        report = path = None
         if self.rank == 0:
             report = self._report(event, traces)
             try:
                 path = capture.record_replay(self.incident.path, report)
             except IncidentError as exc:
                 log.error("nanguard: replay report not saved: %s", exc)
-                path = None
             print(render(report, path), flush=True)
         else:
             print(f"nanguard replay: rank {self.rank} done; rank 0 prints the report", flush=True)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # rank 0 has saved the report before any rank leaves
-        raise SystemExit(0)
+        collectives.barrier()  # rank 0 has saved the report before any rank leaves
+        raise ReplayFinished(report, path)
 
     def _report(self, event: Event | None, traces: list[dict[str, Any]]) -> dict[str, Any]:
         original = self.incident.first_event

@@ -16,7 +16,7 @@ def test_public_names_are_locked():
     assert nanguard.__all__ == sorted(nanguard.__all__)
     assert nanguard.__all__ == [
         "ConfigError", "Event", "Guard", "GuardClosedError", "NanguardError", "NonFiniteError",
-        "ProtocolError", "StopRequested", "destroy_process_group", "init",
+        "ProtocolError", "ReplayFinished", "StopRequested", "destroy_process_group", "init",
     ]
     assert issubclass(nanguard.NonFiniteError, RuntimeError)
     assert issubclass(nanguard.StopRequested, RuntimeError)

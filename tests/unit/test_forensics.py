@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from nanguard import forensics
+from nanguard.rank import forensics
 
 
 def test_describe_counts_and_first_index():

@@ -254,7 +254,7 @@ def main(wrap) -> int:
     args = parser().parse_args()
     try:
         code = run(args, wrap)
-    except SystemExit as exc:  # a replay ends the script from inside its optimizer step
+    except nanguard.ReplayFinished as exc:  # a replay ends the script at its optimizer step
         code = exc.code
     safe = nanguard.destroy_process_group()
     path = os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '0')}.json")

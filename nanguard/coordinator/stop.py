@@ -1,0 +1,116 @@
+"""Stop commands and their fan-out: one command per job, sent to every rank until it acks.
+
+    coordinator -> rank   stop  {command_id, reason, origin}
+    rank -> coordinator   ack   {rank, command_id}
+
+Whoever asks first (the policy, an operator, a rank's ``stopped`` report) begins the job's stop;
+it is counted once in ``nanguard_stops_total`` and later requests get the same command. It goes
+at once to every registered rank that has not said ``bye``, again every ``resend_s`` to those
+that have not acked (a message can be lost while a rank reconnects), and to every rank that
+registers later (a restarted rank must stop too). The socket stays the server's: sending is a
+function passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .clock import Instant, require_positive
+from .metrics import Metrics
+from .ranks import RankState, RankTable
+
+log = logging.getLogger("nanguard.coordinator")
+
+Encode = Callable[[str, dict[str, Any]], list[bytes]]
+"""a message's frames from its type and body (``wire.Codec.encode``)"""
+SendToEach = Callable[[Sequence[bytes], list[bytes]], None]
+"""sends one message's frames to each of the routing ids"""
+
+
+@dataclass(slots=True)
+class StopCommand:
+    command_id: str
+    origin: str
+    """policy | operator"""
+    reason: str
+    time: float
+    """wall clock of the decision (shown in ``status``)"""
+    acked: set[int] = field(default_factory=set)
+
+    def status(self) -> dict[str, Any]:
+        """The ``stop`` of a ``status`` reply (coordinator -> operator)."""
+        return {"command_id": self.command_id, "origin": self.origin, "reason": self.reason,
+                "time": self.time, "acked": sorted(self.acked)}
+
+
+class StopFanout:
+    """The current job's stop command, if any, and who still has to ack it."""
+
+    def __init__(self, ranks: RankTable, metrics: Metrics, encode: Encode, send: SendToEach, *,
+                 resend_s: float = 0.2):
+        require_positive(resend_s=resend_s)
+        self.resend_s = resend_s
+        self.command: StopCommand | None = None
+        self.next_resend = math.inf
+        """monotonic time when unacked ranks get the command again (inf: none pending)"""
+        self._ranks = ranks
+        self._metrics = metrics
+        self._encode = encode
+        self._send_to_each = send
+
+    def begin(self, origin: str, reason: str, label: str, at: Instant) -> tuple[StopCommand, bool]:
+        """The job's stop command, and True when this call made it (counted under ``label``
+        and sent to every unfinished rank); the existing command and False after that."""
+        if self.command is not None:
+            return self.command, False
+        command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall)
+        self._metrics.stop(label)
+        targets = self._ranks.unfinished()
+        started = time.perf_counter()
+        self._send(targets, at)
+        log.warning("stopping job %s (%s): %s; command %s sent to %d rank(s) in %.1f ms", self._ranks.job,
+                    origin, reason, command.command_id, len(targets), (time.perf_counter() - started) * 1e3)
+        return command, True
+
+    def registered(self, state: RankState, at: Instant) -> None:
+        """A rank registered: it stops too if the job is stopping."""
+        if self.command is not None:
+            self._send([state], at)
+
+    def ack(self, rank: int, command_id: str) -> None:
+        if self.command is not None and command_id == self.command.command_id:
+            self.command.acked.add(rank)
+
+    def resend_due(self, at: Instant) -> None:
+        """Send the command again to unacked, unfinished ranks if ``resend_s`` has passed."""
+        if at.mono < self.next_resend:
+            return
+        acked = self.command.acked
+        pending = [state for state in self._ranks.unfinished() if state.rank not in acked]
+        if pending:
+            self._send(pending, at)
+        else:
+            self.next_resend = math.inf
+
+    def reset(self) -> None:
+        """A new job starts: it has not been stopped."""
+        self.command = None
+        self.next_resend = math.inf
+
+    def status(self) -> dict[str, Any] | None:
+        return None if self.command is None else self.command.status()
+
+    def _send(self, targets: list[RankState], at: Instant) -> None:
+        if not targets:
+            return
+        command = self.command
+        frames = self._encode("stop", {"command_id": command.command_id, "reason": command.reason,
+                                       "origin": command.origin})
+        self._send_to_each([state.routing_id for state in targets], frames)
+        self.next_resend = at.mono + self.resend_s

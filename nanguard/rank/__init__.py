@@ -1,0 +1,14 @@
+"""The rank side: what runs inside every training process.
+
+    guard.py      Guard and init(): lifecycle and wiring (hooks, optimizer step, the step's flow)
+    detector.py   the hooks: one probe per checked tensor, no host sync
+    records.py    what the hooks leave: the module catalogue and one step's probe records
+    decision.py   one stack, one all-reduce, one read per step; agreeing on the job's first event
+    diagnose.py   probe records of a bad step -> the Event that names where it was born
+    respond.py    the on_nan policy (report, capture, skip, raise), requested stops, norm warnings
+    gradnorm.py   the gradient-norm monitor (threshold and spike warnings)
+    patches.py    optimizer.step(closure) and GradScaler.update(), each with its undo
+    reporter.py   the coordinator link, or a reporter that does nothing
+    modules.py    module names as reports show them (wrappers left out)
+    forensics.py  the exact, slow look at one tensor, once something is bad
+"""

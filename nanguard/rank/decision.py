@@ -1,0 +1,143 @@
+"""The per-step decision: one device vector, one all-reduce, one host read, one agreement.
+
+At the optimizer step every probe of the step and the gradients' norms are stacked into one
+small device vector. Under ``torch.distributed`` a two-number flag (something is bad, a stop was
+requested) is all-reduced first, so every rank takes the same decision; then the vector is read
+to the host: the only device-to-host read of a clean step. Only when something is bad do the
+ranks look closer (``diagnose``) and agree on the job's first event.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .._dist import Collectives
+from ..events import Event
+from ..protocol import FIRST_EVENT_ORDER
+from . import forensics
+from .diagnose import Finding
+
+
+@dataclass(slots=True)
+class StepClock:
+    """Which optimizer step the process is in, as events and reports count it."""
+
+    step: int = 0
+    """optimizer steps seen (with several optimizers, the steps of the first one to step)"""
+    index: int = 0
+    """the 0-based step that events happen in"""
+    optimizer_seen: bool = False
+    """an optimizer step was ever decided (else a forward's end decides: eval, inference)"""
+    stepped: bool = False
+    """an optimizer step was decided since the GradScaler's last update()"""
+    primary: weakref.ref | None = None
+    """the optimizer that counts the steps: the first one to step"""
+
+    def begin(self, optimizer: torch.optim.Optimizer, count: bool, pending: int) -> bool:
+        """An optimizer step is being decided; True when it counts as a new step. Another
+        optimizer stepping after the primary in the same iteration (its probes already read,
+        nothing ``pending``) belongs to that same step."""
+        self.optimizer_seen = self.stepped = True
+        if self.primary is None:
+            self.primary = weakref.ref(optimizer)
+        primary = self.primary() is optimizer and count
+        self.index = self.step if primary or pending else max(self.step - 1, 0)
+        return primary
+
+    def end(self, counted: bool) -> None:
+        self.step += counted
+        self.index = self.step
+
+
+@dataclass(slots=True)
+class Reading:
+    """What one step's read said."""
+
+    bad: bool
+    """something was non-finite, on some rank"""
+    stop: bool
+    """a stop was requested, on some rank"""
+    probes: list[float]
+    norms: list[float]
+    local_grads_bad: bool | None
+    """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
+
+
+def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
+              collectives: Collectives | None, *, early: bool, stop: bool,
+              watches_buckets: bool) -> Reading | None:
+    """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
+
+    ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
+    None when there is nothing to read and no one to agree with.
+    """
+    parts = probes + norms + buckets
+    if not parts and collectives is None:
+        return None
+    vector = stack(parts) if parts else torch.zeros(0, device=collectives.device())
+    if collectives is not None:
+        flags = torch.stack([vector.sum() + (math.nan if early else 0.0),
+                             torch.full((), float(stop), device=vector.device)])
+        collectives.all_reduce(flags)
+        vector = torch.cat([flags, vector])
+    values = vector.tolist()  # the one device-to-host read of the step
+    if collectives is not None:
+        (flag, stop_sum), values = values[:2], values[2:]
+        bad, stop = not math.isfinite(flag), bool(stop_sum)
+    else:
+        bad = early or not math.isfinite(sum(values))
+    split = len(probes) + len(norms)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split],
+                   not math.isfinite(sum(values[split:])) if watches_buckets else None)
+
+
+def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
+    """The job's first finding, the same on every rank: a forward producer beats the gradients
+    it poisoned, a value born on a rank beats what the all-reduce spread, then the lowest rank."""
+    if collectives is None:
+        return local
+    mine = None if local is None else (local.event.to_dict(), local.born_here)
+    candidates = [Finding(Event.from_dict(event), born_here)
+                  for event, born_here in filter(None, collectives.all_gather_object(mine))]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
+                                          f.event.rank))
+
+
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` of 0-d tensors that may sit on several devices (pipeline stages)."""
+    try:
+        return torch.stack(tensors)
+    except RuntimeError:
+        device = tensors[0].device
+        return torch.stack([t.to(device, non_blocking=True) for t in tensors])
+
+
+def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters that have a gradient, their gradients as plain dense tensors)."""
+    owners, grads = [], []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            grad = grad.coalesce().values()
+        owners.append(param)
+        grads.append(forensics.plain(grad))
+    return owners, grads
+
+
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-gradient L2 norms from one fused pass (no host sync); non-finite when a gradient
+    element is, or when a norm overflows on finite values (the diagnosis confirms exactly)."""
+    return list(torch._foreach_norm(grads)) if grads else []
+
+
+def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,0 +1,292 @@
+"""Hooks and device flags: find non-finite values without syncing the host. No I/O.
+
+Every checked tensor leaves one *probe*: a 0-d device tensor (its float32 sum, exact for
+NaN and Inf: NaN + x = NaN, Inf + -Inf = NaN) appended to the step's log with a record of what
+it looked at. Nothing is read on the hot path: the decision stacks the step's probes (and the
+gradient norms) into one small vector and reads it once per optimizer step; only when a value
+in it is non-finite does the diagnosis look at the records one by one.
+
+What is probed:
+- the floating-point tensors in the output of every module, leaves and containers (an output
+  that is just a child's output is recognised and not checked again);
+- the inputs of a module, unless they are outputs already probed and not modified in place
+  since (so a value born in code *between* modules is told apart from one born inside);
+- the root module's inputs (the batch), tensors given to ``Guard.check``, and each DDP gradient
+  bucket before its all-reduce.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._tree import floating_tensors
+from . import forensics
+from .modules import plain_names, type_name
+from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
+
+# Modules whose output is finite whenever their input is: their outputs need no probe of
+# their own, the probe of their input covers them.
+_FINITE_PRESERVING = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softsign, nn.Identity, nn.Flatten,
+    nn.Unflatten, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
+    nn.LogSoftmax, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)
+CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+
+
+def probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor that is non-finite when ``tensor`` has a NaN or an Inf (no host sync).
+
+    Half-precision tensors are summed in float32. A float32 sum can also overflow on huge
+    finite values (|sum| > 3.4e38): the diagnosis confirms such a case exactly when it can.
+    """
+    return _sum(forensics.plain(tensor))
+
+
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.sum(dtype=torch.float32)
+    return tensor.sum()
+
+
+class Detector:
+    """Installs the hooks and keeps the probes of the current step (``log``)."""
+
+    def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
+                 detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
+                 on_step_start: Callable[[], None] | None = None, keep_batches: bool = False):
+        self._skip_types = tuple(skip_types)
+        self._skip_modules = tuple(skip_modules)
+        self.on_root_end = on_root_end
+        self.on_step_start = on_step_start
+        self.keep_batches = keep_batches
+        self.catalog = Catalog()
+        self.log = StepLog()
+        self.watches_buckets = False
+        self._detail_bytes = detail_bytes
+        self._kept_bytes = 0
+        self._handles: list[Any] = []
+        self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._forwards: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ installing
+    def owns(self, module: nn.Module) -> bool:
+        return module in self._modules
+
+    def slot_of(self, module: nn.Module) -> int:
+        return self._modules[module]
+
+    def attach(self, root: nn.Module, prefix: str = "") -> int:
+        """Hook ``root`` and every module below it; returns the root's slot."""
+        names = plain_names(root)
+        skipped: list[str] = []
+        for module, name in names.items():
+            if module in self._modules:
+                continue
+            qualified = f"{prefix}.{name}".strip(".") if prefix else name
+            slot = self._register(module, qualified)
+            mode = self._mode(module, qualified)
+            if any(qualified == s or qualified.startswith(s + ".") for s in skipped):
+                mode = SKIP_MODE
+            elif mode == SKIP_MODE:
+                skipped.append(qualified)
+            # Containers are hooked too, so a value born in their own forward code is blamed on
+            # them; an output that is a child's output again is recognised and not re-checked.
+            leaf = next(module.children(), None) is None or any(
+                p is not None for p in module._parameters.values())
+            # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
+            # several microseconds more per call. A value passed by keyword is still caught at the
+            # output it poisons.
+            self._handles.append(module.register_forward_hook(self._make_hook(slot, mode, leaf)))
+        for module in names:
+            if type(module).__name__ == "DistributedDataParallel":
+                self._watch_buckets(module)
+        root_slot = self._modules[root]
+        self._handles.append(root.register_forward_pre_hook(
+            self._make_root_pre(root_slot), with_kwargs=True))
+        self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
+        return root_slot
+
+    def _register(self, module: nn.Module, qualified: str) -> int:
+        catalog = self.catalog
+        slot = len(catalog.slots)
+        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module)))
+        self._modules[module] = slot
+        for pname, param in module.named_parameters(recurse=False):
+            catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
+            catalog.param_owner.setdefault(id(param), slot)
+        return slot
+
+    def _watch_buckets(self, ddp: nn.Module) -> None:
+        """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
+        NaN born in its own backward from one the all-reduce brought in from another rank.
+
+        DDP takes one communication hook: ours does the default all-reduce, and a hook the
+        user registers later is called by ours instead (it replaces the default).
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
+        buckets = self.log.buckets
+
+        def bucket_hook(state, bucket):
+            if self._handles:  # still attached
+                buckets.append(probe(bucket.buffer()))
+            return route["hook"](route["state"], bucket)
+
+        def register_comm_hook(state, hook):
+            route["state"], route["hook"] = state, hook
+
+        try:
+            ddp.register_comm_hook(None, bucket_hook)
+        except RuntimeError:
+            return  # the user registered a hook first: no per-rank origin for backward NaNs
+        ddp.register_comm_hook = register_comm_hook
+        self.watches_buckets = True
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._modules = weakref.WeakKeyDictionary()
+        self.reset()
+
+    def _mode(self, module: nn.Module, name: str) -> int:
+        cls = type(module)
+        if any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
+               for t in self._skip_types) or any(fnmatch.fnmatchcase(name, p) for p in self._skip_modules):
+            return SKIP_MODE
+        if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
+            return PASS_MODE
+        return CHECK_MODE
+
+    # ------------------------------------------------------------------ hot path
+    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
+        """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
+        kept, when the byte budget allows, and checked exactly once the step is known bad."""
+        local = forensics.plain(tensor)
+        kept: Any = None
+        if self._kept_bytes < self._detail_bytes:
+            # Keep the step's first tensors (up to a byte budget) so a bad one can be described
+            # exactly after the backward pass has freed the activations.
+            size = local.numel() * local.element_size()
+            if self._kept_bytes + size <= self._detail_bytes:
+                self._kept_bytes += size
+                kept = local
+        ref = weakref.ref(tensor)
+        if kept is None:
+            kept, lazy = ref, False
+        log = self.log
+        log.values.append(self._zero(local.device) if lazy else _sum(local))
+        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
+        self._seen[id(tensor)] = (ref, tensor._version)
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), device=device)
+        return zero
+
+    def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
+        seen = self._seen
+        out = []
+        for tensor in tensors:
+            entry = seen.get(id(tensor))
+            if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+                out.append(tensor)
+        return out
+
+    def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
+
+    def _make_hook(self, slot: int, mode: int, leaf: bool):
+        is_compiling = torch.compiler.is_compiling
+        add, unchecked = self._add, self._unchecked
+        log = self.log
+        compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
+
+        def hook(module, args, output):
+            if is_compiling():
+                # Inside a compiled graph only tensor math and list appends (no graph break),
+                # and only leaves: without identity tracking a container would re-check.
+                if mode == CHECK_MODE and leaf:
+                    for tensor in floating_tensors(output):
+                        log.values.append(probe(tensor))
+                        log.records.append(compiled)
+                return None
+            outputs = floating_tensors(output)
+            if mode == SKIP_MODE:
+                self._mark_seen(outputs)
+                return None
+            for tensor in unchecked(floating_tensors(args)):
+                add(tensor, IN, slot)
+            if mode == PASS_MODE:
+                self._mark_seen(outputs)
+            else:
+                for tensor in unchecked(outputs):
+                    add(tensor, OUT, slot)
+            return None
+
+        return hook
+
+    def _make_root_pre(self, root_slot: int):
+        def root_pre(module, args, kwargs):
+            # A root compiled in place (module.compile()) runs its hooks inside the graph: leave
+            # out the bookkeeping there, Dynamo would recompile on every new micro-batch number.
+            if not torch.compiler.is_compiling():
+                self.root_pre(root_slot, args, kwargs)
+            return None
+
+        return root_pre
+
+    def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
+        """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
+        log = self.log
+        if not log.spans and self.on_step_start is not None:
+            self.on_step_start()
+        micro_batch = self._forwards.get(root_slot, 0)
+        self._forwards[root_slot] = micro_batch + 1
+        log.spans.append((len(log.records), root_slot, micro_batch))
+        if self.keep_batches:
+            log.batches.append((root_slot, args, kwargs))
+        for tensor in self._unchecked(floating_tensors(args) + floating_tensors(kwargs)):
+            self._add(tensor, BATCH, root_slot, lazy=True)
+
+    def _root_post(self, module, args, kwargs, output):
+        if self.on_root_end is not None and not torch.compiler.is_compiling():
+            self.on_root_end()
+        return None
+
+    def check(self, tensor: torch.Tensor, name: str) -> None:
+        index = self.catalog.check_index(name)
+        if tensor.is_floating_point() or tensor.is_complex():
+            self._add(tensor, CHECK, index)
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def pending(self) -> int:
+        """Probes made since the last decision."""
+        return len(self.log.values)
+
+    @property
+    def bucket_probes(self) -> list[torch.Tensor]:
+        """Probes of this step's local gradients before DDP's all-reduce (read with the rest)."""
+        return self.log.buckets
+
+    def reset(self) -> None:
+        """Forget this step's probes (after a decision)."""
+        self.log.clear()
+        self._seen.clear()
+        self._kept_bytes = 0
+        self._forwards.clear()

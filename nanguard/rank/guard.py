@@ -1,0 +1,406 @@
+"""Guard: installs the detector, wires it to the optimizer step, and runs each step's decision.
+
+Once per optimizer step, in the optimizer's step pre-hook, the decision (``decision.py``) reads
+the step's probes once; a clean step tells the reporter and the gradient-norm monitor; a bad one
+is diagnosed (``diagnose.py``), agreed on by every rank and handled by the ``on_nan`` policy
+(``respond.py``). The reporter (coordinator link) and the step observer (replay) are always
+there; without a coordinator or a replay they do nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .._dist import Collectives, RankInfo, settle_gloo_workers
+from ..config import Settings
+from ..errors import ConfigError, GuardClosedError, NanguardError
+from ..events import Event, EventLog
+from ..incident import rng_snapshot
+from ..replay import Replay, StepObserver
+from . import diagnose
+from .decision import StepClock, agree, grad_norms, gradients, params, read_step
+from .detector import Detector
+from .patches import patch_scaler_update, wrap_closure
+from .reporter import CoordinatorReporter, Reporter
+from .respond import Responder, model_to_save, step_inputs
+
+
+class Guard:
+    """The per-process detector for one model (or, from a bare ``init()``, every model)."""
+
+    def __init__(self, model: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer],
+                 settings: Settings, on_stop: Callable[[Exception], Any] | None = None,
+                 states: dict[str, Any] | None = None, observer: StepObserver | None = None,
+                 collectives: Collectives | None = None, reporter: Reporter | None = None):
+        self.settings = settings
+        self._closed = False
+        self._scoped = model is not None
+        self._handles: list[Any] = []
+        self._undo: list[Callable[[], Any]] = []  # what is not a hook handle
+        self._roots: list[weakref.ref] = []
+        self._rng: dict[str, Any] | None = None
+        self._early: diagnose.Finding | None = None
+        self._identity = RankInfo.from_env()
+        self._collectives = collectives or Collectives()
+        self._clock = StepClock(optimizer_seen=bool(optimizers))
+        self._observer = observer or StepObserver()
+        self._events = EventLog(settings.max_events)
+        self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
+                                  detail_bytes=int(settings.detail_mb * 2**20),
+                                  on_root_end=self._on_root_end,
+                                  on_step_start=self._on_step_start if settings.capture is not False
+                                  else None,
+                                  keep_batches=settings.capture is not False and settings.capture_batch)
+        if reporter is None:
+            wanted = settings.coordinator is not None and not settings.disable
+            reporter = (CoordinatorReporter(settings, self._identity, self._collectives)
+                        if wanted and not isinstance(self._observer, Replay) else Reporter())
+        self._reporter = reporter
+        self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
+                                  dict(states or {}), on_stop,
+                                  lambda: model_to_save(self._roots),
+                                  lambda model: step_inputs(self._detector, model, self._rng),
+                                  self._detector.catalog.param_name)
+        if settings.disable:
+            return
+        self._start(model, optimizers)
+
+    def _start(self, model: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        observer = self._observer
+        if observer.step is not None:
+            self._clock.step = self._clock.index = observer.step
+            # the original step was decided at an optimizer step, not at the end of a forward
+            self._clock.optimizer_seen = self._clock.optimizer_seen or observer.stepped
+        observer.optimizers(optimizers, self._respond.states)
+        if "scaler" in self._respond.states:
+            self._undo.append(patch_scaler_update(self._respond.states["scaler"], self._after_scaler_update))
+        if model is not None:
+            self._attach(model)
+        else:
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
+        if optimizers:
+            self._handles += [optimizer.register_step_pre_hook(self._on_step) for optimizer in optimizers]
+        else:
+            self._handles.append(register_optimizer_step_pre_hook(self._on_step))
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def step(self) -> int:
+        """Optimizer steps seen, a refused one included (with several optimizers, the steps of
+        the first one to step); between steps, the 0-based index of the next step. Events carry
+        the index of the step they happened in."""
+        return self._clock.step
+
+    @property
+    def events(self) -> list[Event]:
+        """The most recent events, oldest first (at most ``max_events``)."""
+        return self._events.snapshot()
+
+    @property
+    def incident(self) -> str | None:
+        """The last captured incident directory, or None."""
+        return self._respond.incident
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates dropped by ``on_nan="skip"``."""
+        return self._respond.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm read at the last step (rank-local)."""
+        return self._respond.last_grad_norm
+
+    @property
+    def last_param_grad_norms(self) -> dict[str, float]:
+        """Per-parameter gradient norms of the last clean step, with ``param_grad_norms=True``."""
+        return self._respond.last_param_grad_norms
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check(self, tensor: torch.Tensor, name: str = "loss") -> None:
+        """Check a tensor computed outside any module (the loss) at the next decision; no sync."""
+        if self._closed:
+            raise GuardClosedError(f"guard.check({name!r}): this guard was closed; create a new one"
+                                   " with nanguard.init()")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"guard.check({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"guard.check: name must be a non-empty string, got {name!r}")
+        if not self.settings.disable:
+            self._detector.check(tensor, name)
+
+    def close(self) -> None:
+        """Remove every hook this guard installed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
+        self._detector.detach()
+        self._reporter.close()
+        REGISTRY.release(self)
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("disabled" if self.settings.disable else "open")
+        return f"<nanguard.Guard {state} step={self._clock.step} on_nan={self.settings.on_nan}>"
+
+    # ------------------------------------------------------------------ installing
+    def _attach(self, root: nn.Module) -> int:
+        REGISTRY.claim(self, root)
+        self._roots.append(weakref.ref(root))
+        slot = self._detector.attach(root)
+        if next(root.parameters(), None) is not None:
+            self._observer.model_attached(root, self._detector.catalog.param_names)
+        return slot
+
+    def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""
+        if torch.compiler.is_compiling() or self._detector.owns(module) or REGISTRY.owner(module):
+            return None
+        if isinstance(module, torch.fx.GraphModule):
+            return None  # compiled code runs its graphs as modules; a user's FX model needs init(model)
+        self._attach(module)
+        # Hooks added during this call's pre-hooks only fire from the next call on.
+        fed = self._observer.first_call(module, args)
+        self._detector.root_pre(self._detector.slot_of(module), fed or args, {})
+        return fed
+
+    # ------------------------------------------------------------------ the steps
+    def _on_step_start(self) -> None:
+        # The RNG as it was when the step began, for the capture: small host copies (about
+        # 20 us). numpy's state is read at the capture instead (it costs 80 us to read, and the
+        # forward, backward and optimizer step of a training loop do not draw from it).
+        self._rng = rng_snapshot(numpy=False)
+
+    def _on_root_end(self) -> None:
+        if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
+            self._decide(None, collective=False)  # eval/inference: nothing steps, so decide now
+        elif self._detector.pending >= self.settings.max_pending:
+            self._settle_early()
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
+        if self._closed:
+            return None
+        wrapped = wrap_closure(args, kwargs, lambda first: self._step_decision(optimizer, count=first))
+        if wrapped is not None:
+            return wrapped  # the forward and backward run inside the step: decide after them
+        self._step_decision(optimizer)
+        return None
+
+    def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True) -> None:
+        self._observer.optimizers([optimizer], {})
+        counted = self._clock.begin(optimizer, count, self._detector.pending)
+        try:
+            self._decide(optimizer, collective=True)
+        finally:
+            self._clock.end(counted)
+
+    def _after_scaler_update(self) -> None:
+        # a step the scaler skipped was never decided: decide it from the forward's checks
+        stepped, self._clock.stepped = self._clock.stepped, False
+        if not stepped and not self._closed and self._detector.pending:
+            primary = self._clock.primary() if self._clock.primary is not None else None
+            self._decide(primary, collective=True, gradients_too=False)
+
+    def _settle_early(self) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally."""
+        log = self._detector.log
+        if log.values and self._early is None:
+            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False)
+            if reading.bad:
+                self._early = diagnose.first_bad(self._detector.catalog, log, reading.probes, self._event)
+        self._detector.reset()
+        if self._early is not None and not self._clock.optimizer_seen:
+            self._respond_to(self._take_early(), None, together=False)
+
+    def _take_early(self) -> diagnose.Finding:
+        finding, self._early = self._early, None
+        return finding
+
+    def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool,
+                gradients_too: bool = True) -> None:
+        collectives = self._collectives if collective and self._collectives.active else None
+        detector = self._detector
+        owners, grads = (gradients(params(optimizer)) if optimizer is not None and gradients_too
+                         else ([], []))
+        reading = read_step(detector.log.values, grad_norms(grads),
+                            detector.bucket_probes if gradients_too else [], collectives,
+                            early=self._early is not None, stop=self._reporter.stop_requested,
+                            watches_buckets=detector.watches_buckets)
+        if reading is None:  # nothing checked, nobody to agree with
+            detector.reset()
+            if self._early is not None:
+                self._respond_to(self._take_early(), optimizer, together=False)
+            self._clean(stop=self._reporter.stop_requested)
+            return
+        if reading.bad:
+            local = self._take_early() if self._early is not None else diagnose.first_bad(
+                detector.catalog, detector.log, reading.probes, self._event, owners, grads,
+                reading.local_grads_bad)
+            first = agree(collectives, local)
+            if first is not None:
+                if local is not None and first.event.rank != local.event.rank:
+                    # what this rank saw, beside the job's first event
+                    self._respond.note(local, self.settings.on_nan)
+                try:
+                    self._respond_to(first, optimizer, together=collectives is not None)
+                finally:
+                    detector.reset()  # the step's batches were held for the capture until here
+                return
+        detector.reset()
+        self._clean(reading.stop)
+        if reading.norms:
+            self._respond.watch_norms(reading.norms, owners, self._event)
+
+    def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
+                    together: bool) -> None:
+        self._respond.note(finding, self.settings.on_nan)
+        self._observer.decided(finding.event)  # a replay ends here
+        self._respond.act(finding.event, optimizer, together)
+
+    def _clean(self, stop: bool) -> None:
+        """After a step found clean: a replay ends here, the coordinator hears of the step, and
+        a requested stop is raised."""
+        self._observer.decided(None)
+        self._reporter.heartbeat(self._clock.index, self._respond.last_grad_norm)
+        if stop:
+            self._respond.stop(self._clock.index)
+
+    def _event(self, fields: dict[str, Any]) -> Event:
+        return Event(rank=self._collectives.rank, step=self._clock.index, host=self._identity.host,
+                     time=time.time(), **fields)
+
+
+class GuardRegistry:
+    """Which guard owns which module, and the process-wide guard of a bare ``init()``: hooks are
+    never installed twice. The only mutable state at module level, behind its own lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owners: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+        self._modules: dict[int, list[weakref.ref]] = {}
+        self._global: Guard | None = None
+
+    def owner(self, module: nn.Module) -> Guard | None:
+        return self._owners.get(module)
+
+    def claim(self, guard: Guard, root: nn.Module) -> None:
+        with self._lock:
+            for module in root.modules():
+                owner = self._owners.get(module)
+                if owner is not None and owner is not guard and not owner.closed:
+                    raise NanguardError(
+                        f"nanguard.init: {type(module).__name__} is already guarded by {owner!r};"
+                        " call close() on that guard first (hooks are never installed twice)")
+            for module in root.modules():
+                self._owners[module] = guard
+                self._modules.setdefault(id(guard), []).append(weakref.ref(module))
+
+    def check_process_free(self) -> None:
+        with self._lock:
+            if self._global is not None and not self._global.closed:
+                raise NanguardError("nanguard.init(): a process-wide guard is already open; call"
+                                    " close() on it first (hooks are never installed twice)")
+
+    def claim_process(self, guard: Guard) -> None:
+        self.check_process_free()
+        with self._lock:
+            self._global = guard
+
+    def release(self, guard: Guard) -> None:
+        with self._lock:
+            for ref in self._modules.pop(id(guard), []):
+                module = ref()
+                if module is not None and self._owners.get(module) is guard:
+                    del self._owners[module]
+            if self._global is guard:
+                self._global = None
+
+
+REGISTRY = GuardRegistry()
+
+
+def init(model: nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+         *, on_stop: Callable[[Exception], Any] | None = None, scaler: Any = None,
+         scheduler: Any = None, **overrides: Any) -> Guard:
+    """Guard ``model`` and ``optimizer``; with no model, every module and optimizer of the process.
+
+    Settings come from ``overrides``, else ``NANGUARD_*`` variables, else defaults (see
+    ``nanguard.config.Settings``). ``on_stop(error)`` is called on every rank at the common
+    stop step, before the error is raised, for a checkpoint in the team's own format.
+    ``scaler`` (a GradScaler) and ``scheduler`` (an LR scheduler) are saved in incidents too.
+    """
+    settings = Settings.resolve(overrides)
+    optimizers = _checked_arguments(model, optimizer, on_stop)
+    states = {name: obj for name, obj in (("scaler", scaler), ("scheduler", scheduler)) if obj is not None}
+    for name, obj in states.items():
+        if not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"nanguard.init: {name} must have a state_dict() method (a GradScaler,"
+                            f" an LR scheduler); got {type(obj).__name__}")
+    observer = None
+    if settings.replay is not None:
+        if settings.disable:
+            raise ConfigError("NANGUARD_REPLAY and NANGUARD_DISABLE are both set: a replay needs the"
+                              " guard; unset one of them")
+        # checks the whole incident before touching anything
+        collectives = Collectives()
+        observer = Replay.open(settings.replay, collectives.rank, collectives.world_size)
+        settings = observer.forensic(settings)
+    if settings.disable:
+        return Guard(None, [], settings, on_stop)
+    # gloo's workers idle before Python finalizes, or one may abort the process (_dist.py says why)
+    atexit.unregister(settle_gloo_workers)
+    atexit.register(settle_gloo_workers)
+    if model is None:
+        REGISTRY.check_process_free()
+    guard = Guard(model, optimizers, settings, on_stop, states, observer)
+    if model is None:
+        REGISTRY.claim_process(guard)
+    return guard
+
+
+def _checked_arguments(model: Any, optimizer: Any, on_stop: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers to guard; TypeError or NanguardError on arguments that cannot work."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"nanguard.init: model must be a torch.nn.Module, or None to guard every"
+                        f" module this process runs; got {type(model).__name__}")
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    elif isinstance(optimizer, (list, tuple)) and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer) and optimizer:
+        optimizers = list(optimizer)
+    else:
+        raise TypeError(f"nanguard.init: optimizer must be a torch.optim.Optimizer (or a list of"
+                        f" them, or None); got {type(optimizer).__name__}")
+    if on_stop is not None and not callable(on_stop):
+        raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
+    if model is not None and next(model.parameters(), None) is None:
+        raise NanguardError(
+            f"nanguard.init: the model ({type(model).__name__}) has no parameters, so there is"
+            " nothing to protect; pass the module you train (or call nanguard.init() with no model)")
+    return optimizers

@@ -1,0 +1,56 @@
+"""Names of modules as reports show them: wrappers (DDP, torch.compile, ...) left out."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# Wrappers whose child is the user's model: their attribute name is left out of layer names. The
+# first three also prefix the wrapped model's state_dict keys, so a capture saves the inner model.
+_WRAPPERS = {
+    "DistributedDataParallel": "module", "DataParallel": "module", "OptimizedModule": "_orig_mod",
+    "FullyShardedDataParallel": None, "CheckpointWrapper": None, "OffloadWrapper": None,
+    "_LightningModuleWrapperBase": None,
+}
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    return type(module).__name__ in _WRAPPERS
+
+
+def plain_names(root: nn.Module) -> dict[nn.Module, str]:
+    """Qualified names of every submodule, with wrapper attributes (DDP's ``module.``) left out."""
+    names: dict[nn.Module, str] = {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if module in names:
+            return
+        names[module] = prefix
+        wrapper = is_wrapper(module)
+        for child_name, child in module.named_children():
+            walk(child, prefix if wrapper else f"{prefix}.{child_name}".lstrip("."))
+
+    walk(root, "")
+    return names
+
+
+def type_name(module: nn.Module) -> str:
+    cls = type(module)
+    # FSDP2's fully_shard swaps the class for FSDP<Original>(FSDPModule, Original).
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
+        cls = cls.__bases__[1]
+    return cls.__name__
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / DataParallel / torch.compile wrappers (plain state names)."""
+    while (attribute := _WRAPPERS.get(type(model).__name__)) is not None:
+        model = getattr(model, attribute)
+    return model
+
+
+def sharding(model: nn.Module | None) -> str | None:
+    """How an incident's per-rank states must be loaded, when the model is sharded (FSDP2)."""
+    if model is not None and any(hasattr(p, "to_local") for p in model.parameters()):
+        return ("fsdp2: each rank's state.pt holds its own shards (DTensors); load rank k's file on"
+                " rank k of a job with the same world size and the same fully_shard layout")
+    return None

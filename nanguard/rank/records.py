@@ -1,0 +1,114 @@
+"""What the hooks leave behind: the catalogue of guarded modules, and one step's probe records.
+
+The detector writes these; the decision reads the probes' values once per step; the diagnosis
+turns the records of a bad step into an Event. Plain data, no hooks, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OUT, IN, BATCH, CHECK = range(4)
+"""what a probe looked at: a module's output, a module's input that nothing had checked, the
+batch given to a root module, a tensor given to ``Guard.check``"""
+MAX_CHECK_NAMES = 1024
+
+
+@dataclass(slots=True)
+class Slot:
+    """One guarded module: its name as reports show it."""
+
+    name: str
+    module_type: str
+    module: weakref.ref
+
+
+@dataclass(slots=True)
+class Probe:
+    """One checked tensor of the step. ``kept`` is the tensor itself while the detail budget
+    lasts, else a weak reference (None inside a compiled graph); ``version`` is its in-place
+    version when probed, so a tensor changed since is not described as if it were the same."""
+
+    role: int
+    slot: int
+    """the module's slot (OUT, IN, BATCH), or the index of the check's name (CHECK)"""
+    kept: Any
+    version: int = 0
+    shape: torch.Size | None = None
+    dtype: torch.dtype | None = None
+    lazy: bool = False
+    """the batch: its probe is a zero, checked exactly only once the step is known bad"""
+    compiled: bool = False
+    """made inside a compiled graph, where inputs and containers are not checked"""
+
+    def tensor(self) -> torch.Tensor | None:
+        """The probed tensor as it was, or None (freed, or changed in place since)."""
+        tensor = self.kept() if isinstance(self.kept, weakref.ref) else self.kept
+        if tensor is not None and tensor._version != self.version:
+            return None
+        return tensor
+
+
+@dataclass(slots=True)
+class Catalog:
+    """Every module, parameter and check name a guard knows; grows as models are attached."""
+
+    slots: list[Slot] = field(default_factory=list)
+    param_names: dict[int, str] = field(default_factory=dict)
+    """qualified parameter names by ``id(param)``"""
+    param_owner: dict[int, int] = field(default_factory=dict)
+    """the slot of the module that owns a parameter directly, by ``id(param)``"""
+    check_names: dict[str, int] = field(default_factory=dict)
+
+    def check_index(self, name: str) -> int:
+        index = self.check_names.get(name)
+        if index is None:
+            if len(self.check_names) >= MAX_CHECK_NAMES:
+                name = "(other)"  # bounded: a name per step would grow without end
+            index = self.check_names.setdefault(name, len(self.check_names))
+        return index
+
+    def check_name(self, index: int) -> str:
+        return next(name for name, i in self.check_names.items() if i == index)
+
+    def param_name(self, param: torch.Tensor) -> str:
+        name = self.param_names.get(id(param))
+        return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
+
+
+@dataclass(slots=True)
+class StepLog:
+    """One step's probes, in the order they were made, until its decision."""
+
+    values: list[torch.Tensor] = field(default_factory=list)
+    """0-d device tensors, non-finite when their tensor is (read once, by the decision)"""
+    records: list[Probe] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """(first probe index, root slot, micro-batch) of every root forward"""
+    buckets: list[torch.Tensor] = field(default_factory=list)
+    """probes of DDP gradient buckets before their all-reduce"""
+    batches: list[tuple[int, tuple, dict]] = field(default_factory=list)
+    """(root slot, args, kwargs) of every root forward: references, no copies"""
+
+    def clear(self) -> None:
+        for part in (self.values, self.records, self.spans, self.buckets, self.batches):
+            part.clear()
+
+    def micro_batch_of(self, index: int) -> int | None:
+        """Which forward of its root (within the step) probe ``index`` was made in."""
+        position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
+        return self.spans[position][2] if position >= 0 else None
+
+    def backward_order(self) -> list[int]:
+        """Module slots in the order their gradients are produced: reverse of execution order."""
+        order: dict[int, None] = {}
+        for record in self.records:
+            if record.role in (OUT, IN):
+                order.setdefault(record.slot, None)
+        return list(reversed(order))

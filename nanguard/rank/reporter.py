@@ -1,0 +1,97 @@
+"""What a guard tells the coordinator, and the stop requests it hears back.
+
+``Reporter`` does nothing: a guard without a coordinator (or replaying) talks to it all the
+same. ``CoordinatorReporter`` hands everything to the ``nanguard-client`` thread (a bounded
+queue, never blocking the training thread) and keeps the stop requests that thread receives
+until the next step's decision reads them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+
+import torch
+
+from .. import __version__
+from .._dist import Collectives, RankInfo
+from ..config import Settings
+from ..events import Event
+
+
+class Reporter:
+    """No coordinator: every call does nothing, and no stop is ever requested."""
+
+    def note(self, event: Event, action: str) -> None:
+        """This rank saw ``event`` and did ``action`` (raise, skip, warn) about it."""
+
+    def heartbeat(self, step: int, grad_norm: float | None) -> None:
+        """A step ended clean: its index and gradient norm (the time since the last one is taken here)."""
+
+    def captured(self, step: int, incident: str) -> None:
+        """The job's incident of ``step`` is complete in ``incident`` (said by rank 0)."""
+
+    def stopped(self, step: int, reason: str) -> None:
+        """This rank stopped at ``step`` (nonfinite, policy, operator)."""
+
+    @property
+    def stop_requested(self) -> bool:
+        """A stop command arrived and was not taken yet."""
+        return False
+
+    def take_stop(self) -> tuple[str, str] | None:
+        """(reason, origin) of the stop command that arrived, or None; forgets it."""
+        return None
+
+    def close(self) -> None:
+        """Send what is queued (bounded time) and stop."""
+
+
+class CoordinatorReporter(Reporter):
+    """Reports to ``settings.coordinator`` from a background thread; never fails init."""
+
+    def __init__(self, settings: Settings, identity: RankInfo, group: Collectives):
+        from ..client import Client  # pyzmq only where a coordinator is configured
+
+        self._stop: tuple[str, str] | None = None
+        self._last_step_at: float | None = None
+        hello = {"rank": group.rank, "local_rank": identity.local_rank, "world_size": group.world_size,
+                 "host": identity.host, "pid": identity.pid, "job": identity.job,
+                 "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
+                 "version": __version__}
+        self._client = Client(settings.coordinator, token=settings.token, identity=hello,
+                              queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
+                              on_stop=self._on_stop)
+        self._client.start()
+        # a script that ends with an exception still sends what is queued (its stop, its events)
+        atexit.register(self.close)
+
+    def _on_stop(self, command_id: str, reason: str, origin: str) -> None:
+        # on the client's thread: one assignment, read at the next decision
+        self._stop = (reason, origin)
+
+    def note(self, event: Event, action: str) -> None:
+        self._client.send_event(event, action)
+
+    def heartbeat(self, step: int, grad_norm: float | None) -> None:
+        now = time.monotonic()
+        last, self._last_step_at = self._last_step_at, now
+        self._client.update(step, now - last if last is not None else None, grad_norm)
+
+    def captured(self, step: int, incident: str) -> None:
+        self._client.captured(step, incident)
+
+    def stopped(self, step: int, reason: str) -> None:
+        self._client.stopped(step, reason)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop is not None
+
+    def take_stop(self) -> tuple[str, str] | None:
+        stop, self._stop = self._stop, None
+        return stop
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        self._client.close(timeout_s=2.0)

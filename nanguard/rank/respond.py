@@ -1,0 +1,175 @@
+"""What a guard does once a step is decided: the ``on_nan`` policy for the job's first event
+(report, capture an incident, skip the update or raise), a requested stop, and the warnings of
+the gradient-norm monitor."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._dist import Collectives, RankInfo
+from ..incident import RankPart, capture_incident, rng_snapshot
+from ..config import Settings
+from ..errors import NonFiniteError, StopRequested
+from ..events import Event, EventLog
+from .decision import params
+from .detector import Detector
+from .diagnose import Finding
+from .gradnorm import GradNormMonitor
+from .modules import sharding, unwrap
+from .reporter import Reporter
+
+log = logging.getLogger("nanguard")
+
+
+
+def _action(policy: str, world: int, stepping: bool) -> str:
+    """What this rank does, for the report."""
+    if policy == "warn":
+        return "continuing (on_nan=warn)"
+    if not stepping:
+        return "stopping" if policy == "raise" else "continuing (no optimizer step to skip)"
+    if policy == "raise":
+        return "stopping all ranks before the optimizer step" if world > 1 else "stopping before the optimizer step"
+    return "skipping this update" + (" on all ranks" if world > 1 else "")
+
+
+class Responder:
+    """Acts on decided steps for one guard. ``model_to_save()`` and ``step_inputs(model)`` (the
+    step's batches and the RNG at its start) give what an incident holds besides the optimizer."""
+
+    def __init__(self, settings: Settings, identity: RankInfo, group: Collectives, reporter: Reporter,
+                 events: EventLog, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
+                 model_to_save: Callable[[], nn.Module | None],
+                 step_inputs: Callable[[nn.Module | None], tuple[list, dict[str, Any]]],
+                 param_name: Callable[[torch.Tensor], str]):
+        self.settings = settings
+        self.identity = identity
+        self.group = group
+        self.reporter = reporter
+        self.events = events
+        self.states = states
+        self.on_stop = on_stop
+        self.model_to_save = model_to_save
+        self.step_inputs = step_inputs
+        self.param_name = param_name
+        self.incident: str | None = None
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.last_param_grad_norms: dict[str, float] = {}
+        self.norms = GradNormMonitor(settings.grad_norm_warn, settings.spike_factor,
+                                     settings.spike_warmup_steps)
+
+    def note(self, finding: Finding, action: str) -> None:
+        """Keep an event; send it to the coordinator when this rank is the one that saw it (values
+        another rank sent through the all-reduce are that rank's event, not this one's)."""
+        self.events.add(finding.event)
+        if finding.event.rank == self.group.rank and finding.born_here:
+            self.reporter.note(finding.event, action)
+
+    def act(self, event: Event, optimizer: torch.optim.Optimizer | None, together: bool) -> None:
+        """Apply the policy to the job's first event (already noted). ``together``: every rank of
+        the group is here at the same step (so the capture may use collectives); a local decision
+        of one rank of many writes no incident."""
+        policy, group = self.settings.on_nan, self.group
+        world = group.world_size if together and group.active else 1
+        message = f"{event}; {_action(policy, world, optimizer is not None)}"
+        if event.rank == group.rank:
+            log.error("nanguard: %s", message)
+        wanted = policy == "raise" and self.settings.capture is not False or (
+            policy == "skip" and self.settings.capture)
+        if wanted and (together or not group.active):
+            self._capture(event, optimizer)
+        if policy == "skip" and optimizer is not None:
+            for param in params(optimizer):
+                param.grad = None  # the optimizer leaves parameters without gradients untouched
+            self.skipped_steps += 1
+        if policy == "raise":
+            error = NonFiniteError(message, event, self.incident)
+            self.reporter.stopped(event.step, "nonfinite")
+            if self.on_stop is not None:
+                self.on_stop(error)
+            raise error
+
+    def stop(self, step: int) -> None:
+        """A stop was requested (here, or on another rank): raise it, before the update."""
+        taken = self.reporter.take_stop()
+        reason, origin = taken or ("requested by the coordinator through another rank", "policy")
+        error = StopRequested(f"stop requested ({reason}) at step {step}; stopping all ranks before the"
+                              " optimizer step", step=step, reason=reason)
+        self.reporter.stopped(step, origin)
+        if self.on_stop is not None:
+            self.on_stop(error)
+        raise error
+
+    def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
+        """Grad-norm guard: warn on a threshold and on a spike over the running level."""
+        norm = math.hypot(*norms)
+        self.last_grad_norm = norm
+        if self.settings.param_grad_norms:
+            self.last_param_grad_norms = {self.param_name(p): n for p, n in zip(owners, norms)}
+        warnings = self.norms.observe(norm)
+        if not warnings:
+            return
+        ranked = sorted(zip(norms, owners), key=lambda pair: -pair[0])[:5]
+        top = {self.param_name(p): n for n, p in ranked}
+        for warning in warnings:
+            event = make({"kind": warning.kind, "layer": next(iter(top), ""), "grad_norm": norm,
+                          "message": warning.message, "extra": {"top_params": top}})
+            self.events.add(event)
+            self.reporter.note(event, "warn")
+            log.warning("nanguard: %s", event)
+
+    # ------------------------------------------------------------------ incidents
+    def _capture(self, event: Event, optimizer: torch.optim.Optimizer | None) -> None:
+        model = self.model_to_save()
+
+        def collect() -> RankPart:  # inside the capture: a failure here cannot skip a collective
+            batches, rng = self.step_inputs(model)
+            return RankPart(model_state=unwrap(model).state_dict() if model is not None else {},
+                            optimizer_state=optimizer.state_dict() if optimizer is not None else None,
+                            extra_states={name: obj.state_dict() for name, obj in self.states.items()},
+                            batches=batches if self.settings.capture_batch else None, rng=rng,
+                            events=self.events.snapshot(), settings=settings_record(self.settings))
+
+        self.incident = capture_incident(self.group, self.settings.dir, event, collect,
+                                         job_id=self.identity.run_id, capture_batch=self.settings.capture_batch,
+                                         sharded=sharding(model))
+        if self.incident is not None and event.rank == self.group.rank:
+            log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",
+                      event.step, self.incident, self.incident)
+        if self.incident is not None and self.group.rank == 0:
+            self.reporter.captured(event.step, self.incident)
+
+
+def model_to_save(roots: list) -> nn.Module | None:
+    """The first root with parameters: the model an incident saves."""
+    return next((m for m in (r() for r in roots) if m is not None and next(m.parameters(), None) is not None),
+                None)
+
+
+def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None
+                ) -> tuple[list, dict[str, Any]]:
+    """The step's batches fed to ``model``'s root, and the RNG as it was when the step began
+    (numpy's read now: the forward, backward and optimizer step do not draw from it)."""
+    root = detector.slot_of(model) if model is not None and detector.owns(model) else None
+    batches = [{"args": a, "kwargs": k} for slot, a, k in detector.log.batches if root is None or slot == root]
+    now = rng_snapshot()
+    return batches, now if rng_at_start is None else {**rng_at_start, "numpy": now["numpy"]}
+
+
+def settings_record(settings: Settings) -> dict[str, Any]:
+    """The guard's settings as an incident keeps them (never the token)."""
+    record = {}
+    for name in settings.__dataclass_fields__:
+        if name == "token":
+            continue  # a secret never goes to disk
+        value = getattr(settings, name)
+        record[name] = [v if isinstance(v, str) else v.__name__ for v in value] if isinstance(
+            value, tuple) else value
+    return record

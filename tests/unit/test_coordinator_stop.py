@@ -1,0 +1,163 @@
+"""The stop fan-out, with a recording send function in place of the ROUTER socket.
+
+Sent frames are encoded by a real ``Codec`` and decoded back, so what is checked is what
+would travel.
+"""
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from nanguard.coordinator.clock import Instant
+from nanguard.coordinator.metrics import Metrics
+from nanguard.coordinator.ranks import RankTable
+from nanguard.coordinator.stop import StopFanout
+from nanguard.protocol import STOP_REASONS
+from nanguard.wire import Codec
+
+RESEND_S = 0.2
+
+
+def at(seconds: float) -> Instant:
+    return Instant(1_700_000_000.0 + seconds, 100.0 + seconds)
+
+
+class Sent:
+    """The send function: records (routing id, decoded message) per rank it was sent to."""
+
+    def __init__(self):
+        self.messages = []
+        self._codec = Codec("rank-side", None)
+
+    def __call__(self, routing_ids, frames):
+        for routing_id in routing_ids:
+            self.messages.append((routing_id, self._codec.decode(frames)))
+
+    def take(self) -> list[bytes]:
+        """The routing ids sent to since the last take."""
+        routing_ids = [routing_id for routing_id, _ in self.messages]
+        self.messages.clear()
+        return routing_ids
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def setup(registry):
+    metrics = Metrics(registry)
+    ranks = RankTable(metrics)
+    sent = Sent()
+    fanout = StopFanout(ranks, metrics, Codec("coordinator", None).encode, sent, resend_s=RESEND_S)
+    return ranks, fanout, sent
+
+
+def register(ranks, *numbers, seconds=0.0):
+    ranks.admit("job1")
+    return [ranks.seen(number, b"id%d" % number, at(seconds))[0] for number in numbers]
+
+
+def stops_counted(registry) -> float:
+    return sum(registry.get_sample_value("nanguard_stops_total", {"reason": r}) for r in STOP_REASONS)
+
+
+def test_the_stop_goes_to_every_registered_unfinished_rank(setup, registry):
+    ranks, fanout, sent = setup
+    register(ranks, 0, 1, 2, 3)
+    ranks.bye(2, b"id2", at(0.5))
+    command, made = fanout.begin("policy", "non-finite forward event", "nonfinite", at(1))
+    assert made and command.time == at(1).wall
+    assert sorted(routing_id for routing_id, _ in sent.messages) == [b"id0", b"id1", b"id3"]
+    for _, message in sent.messages:
+        assert message.type == "stop"
+        assert message.body == {"command_id": command.command_id, "reason": "non-finite forward event",
+                                "origin": "policy"}
+    assert registry.get_sample_value("nanguard_stops_total", {"reason": "nonfinite"}) == 1
+    assert registry.get_sample_value("nanguard_job_stopped") == 1
+    assert fanout.status() == {"command_id": command.command_id, "origin": "policy",
+                               "reason": "non-finite forward event", "time": at(1).wall, "acked": []}
+
+
+def test_resends_go_only_to_ranks_that_have_not_acked(setup):
+    ranks, fanout, sent = setup
+    register(ranks, 0, 1, 2)
+    command, _ = fanout.begin("operator", "maintenance", "operator", at(1))
+    sent.take()
+    fanout.ack(0, command.command_id)
+    fanout.ack(1, "an-older-command")  # not this command's ack
+    fanout.resend_due(at(1 + RESEND_S / 2))
+    assert sent.take() == []  # not due yet
+    fanout.resend_due(at(1 + RESEND_S))
+    assert sorted(sent.take()) == [b"id1", b"id2"]
+    fanout.ack(1, command.command_id)
+    fanout.ack(2, command.command_id)
+    fanout.resend_due(at(1 + 2 * RESEND_S))
+    assert sent.take() == [] and fanout.next_resend == float("inf")
+    assert fanout.status()["acked"] == [0, 1, 2]
+
+
+def test_a_rank_that_finishes_gets_no_more_resends(setup):
+    ranks, fanout, sent = setup
+    register(ranks, 0, 1)
+    fanout.begin("operator", "maintenance", "operator", at(1))
+    sent.take()
+    ranks.bye(1, b"id1", at(1.1))
+    fanout.resend_due(at(1 + RESEND_S))
+    assert sent.take() == [b"id0"]
+
+
+def test_a_rank_registering_after_the_stop_gets_it(setup):
+    ranks, fanout, sent = setup
+    register(ranks, 0)
+    command, _ = fanout.begin("policy", "why", "policy", at(1))
+    sent.take()
+    (late,) = register(ranks, 7, seconds=5)
+    fanout.registered(late, at(5))
+    assert [(routing_id, message.body["command_id"]) for routing_id, message in sent.messages] == [
+        (b"id7", command.command_id)]
+
+
+def test_no_stop_no_send_to_a_registering_rank(setup):
+    ranks, fanout, sent = setup
+    (state,) = register(ranks, 0)
+    fanout.registered(state, at(1))
+    fanout.resend_due(at(100))
+    assert sent.take() == [] and fanout.status() is None
+
+
+def test_a_second_stop_request_gets_the_existing_command_counted_once(setup, registry):
+    ranks, fanout, sent = setup
+    register(ranks, 0, 1)
+    first, made = fanout.begin("policy", "first reason", "nonfinite", at(1))
+    sent.take()
+    again, made_again = fanout.begin("operator", "second reason", "operator", at(2))
+    assert made and not made_again and again is first and again.reason == "first reason"
+    assert sent.take() == []  # nothing is sent for the second request
+    assert stops_counted(registry) == 1
+
+
+def test_a_new_job_can_be_stopped_again(setup, registry):
+    ranks, fanout, sent = setup
+    register(ranks, 0)
+    first, _ = fanout.begin("operator", "one", "operator", at(1))
+    fanout.reset()
+    assert fanout.status() is None and fanout.next_resend == float("inf")
+    second, made = fanout.begin("operator", "two", "operator", at(2))
+    assert made and second.command_id != first.command_id
+    assert stops_counted(registry) == 2
+
+
+def test_a_stop_with_no_rank_yet_sends_nothing_and_waits_for_the_first(setup):
+    ranks, fanout, sent = setup
+    command, made = fanout.begin("operator", "early", "operator", at(1))
+    assert made and sent.take() == [] and fanout.next_resend == float("inf")
+    (first,) = register(ranks, 0, seconds=2)
+    fanout.registered(first, at(2))
+    assert sent.take() == [b"id0"]
+
+
+def test_resend_s_must_be_positive(registry):
+    metrics = Metrics(registry)
+    with pytest.raises(ValueError, match="resend_s=0 must be a positive number of seconds"):
+        StopFanout(RankTable(metrics), metrics, Codec("c", None).encode, Sent(), resend_s=0)

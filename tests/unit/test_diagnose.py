@@ -1,0 +1,128 @@
+"""From probe records to an Event, without a model: nanguard.rank.diagnose on hand-made records."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanguard.events import Event
+from nanguard.rank.diagnose import first_bad
+from nanguard.rank.records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
+
+NAN, INF = math.nan, math.inf
+
+
+def make(fields):
+    return Event(rank=3, step=7, host="h", **fields)
+
+
+def catalog(*names):
+    """Modules by slot: "" is the root; a parameter "w" for each named module."""
+    cat = Catalog(slots=[Slot(name, "Linear" if name else "Net", lambda: None) for name in names])
+    return cat
+
+
+def record(role, slot, tensor=None, lazy=False):
+    kept = tensor if tensor is not None else None
+    return Probe(role, slot, kept, 0 if tensor is None else tensor._version,
+                 None if tensor is None else tensor.shape, None if tensor is None else tensor.dtype, lazy)
+
+
+def log_of(*records, spans=((0, 0, 0),)):
+    log = StepLog()
+    log.records.extend(records)
+    log.spans.extend(spans)
+    return log
+
+
+def test_a_kept_output_is_described_exactly_and_named_the_producer():
+    bad = torch.tensor([[1.0, NAN], [INF, -2.0]])
+    finding = first_bad(catalog("", "a", "b"), log_of(record(OUT, 1, torch.ones(2)), record(OUT, 2, bad)),
+                        [2.0, NAN], make)
+    event = finding.event
+    assert (event.kind, event.layer, event.module_type, event.rank, event.step) == ("forward", "b", "Linear", 3, 7)
+    assert (event.nan_count, event.inf_count, event.first_index) == (1, 1, (0, 1))
+    assert event.input_nonfinite is False and "born in this module" in event.message
+    assert finding.born_here and event.micro_batch == 0
+
+
+def test_a_freed_tensor_says_what_the_probe_knows_and_no_more():
+    probe = record(OUT, 1)
+    probe.shape, probe.dtype = torch.Size([4, 2]), torch.float32
+    event = first_bad(catalog("", "a"), log_of(probe), [INF], make).event
+    assert event.has_inf and not event.has_nan and event.bad_count is None
+    assert event.shape == (4, 2) and event.numel == 8 and "no element detail" in event.message
+
+
+def test_a_float32_sum_that_overflowed_on_a_finite_tensor_is_not_blamed():
+    huge = torch.full((4,), 3e38)
+    nan = torch.tensor([NAN])
+    event = first_bad(catalog("", "a", "b"), log_of(record(OUT, 1, huge), record(OUT, 2, nan)),
+                      [INF, NAN], make).event
+    assert event.layer == "b"
+
+
+def test_an_input_nothing_checked_is_blamed_on_the_parents_forward_code():
+    bad = torch.tensor([NAN])
+    log = log_of(record(OUT, 1, torch.ones(1)), record(IN, 2, bad), record(OUT, 2, bad))
+    event = first_bad(catalog("", "enc.a", "enc.b"), log, [1.0, NAN, NAN], make).event
+    assert event.kind == "forward" and event.layer == "enc.b" and event.input_nonfinite is True
+    assert event.output_nonfinite is True and "forward code of enc" in event.message
+
+
+def test_a_bad_batch_names_the_first_module_it_reached():
+    batch = torch.tensor([1.0, NAN])
+    log = log_of(record(BATCH, 0, batch, lazy=True), record(OUT, 1, torch.tensor([NAN])),
+                 spans=((0, 0, 2),))
+    event = first_bad(catalog("", "embed"), log, [0.0, NAN], make).event
+    assert event.layer == "embed" and event.input_nonfinite and event.micro_batch == 2
+    assert "input batch of the model" in event.message
+
+
+def test_a_checked_loss_is_a_loss_event():
+    cat = catalog("")
+    index = cat.check_index("loss")
+    event = first_bad(cat, log_of(record(CHECK, index, torch.tensor(NAN))), [NAN], make).event
+    assert (event.kind, event.layer, event.micro_batch) == ("loss", "loss", None)
+
+
+def gradients_case(cat, bad_slot):
+    """Two modules (slots 1 then 2 in execution order), one parameter each."""
+    params = [torch.zeros(2), torch.zeros(2)]
+    grads = [torch.ones(2), torch.ones(2)]
+    grads[bad_slot - 1] = torch.tensor([NAN, 1.0])
+    for slot, param in zip((1, 2), params):
+        cat.param_names[id(param)] = f"{cat.slots[slot].name}.weight"
+        cat.param_owner[id(param)] = slot
+    log = log_of(record(OUT, 1, torch.ones(1)), record(OUT, 2, torch.ones(1)))
+    return log, params, grads
+
+
+def test_a_gradient_born_in_backward_is_named_by_its_parameter():
+    cat = catalog("", "a", "b")
+    log, params, grads = gradients_case(cat, bad_slot=1)
+    event = first_bad(cat, log, [1.0, 1.0], make, params, grads).event
+    assert event.kind == "grad" and event.layer == "a.weight" and event.extra["bad_params"] == ["a.weight"]
+    assert "born in the backward pass" in event.message
+
+
+def test_bad_gradients_from_the_last_module_blame_the_loss():
+    cat = catalog("", "a", "b")
+    log, params, grads = gradients_case(cat, bad_slot=2)
+    event = first_bad(cat, log, [1.0, 1.0], make, params, grads).event
+    assert event.kind == "loss" and event.layer == "loss" and "guard.check(loss)" in event.message
+
+
+def test_gradients_another_rank_sent_are_that_ranks_event():
+    cat = catalog("", "a", "b")
+    log, params, grads = gradients_case(cat, bad_slot=2)
+    finding = first_bad(cat, log, [1.0, 1.0], make, params, grads, local_grads_bad=False)
+    assert not finding.born_here and finding.event.kind == "grad"
+    assert finding.event.extra["born_here"] is False and "another rank" in finding.event.message
+
+
+def test_nothing_bad_is_no_finding():
+    cat = catalog("", "a", "b")
+    log, params, _ = gradients_case(cat, bad_slot=1)
+    assert first_bad(cat, log, [1.0, INF], make, params, [torch.ones(2), torch.ones(2)]) is None
