@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import IncidentError
 from ..events import Event
-from ..replay import trace_lines
+from ..replay.report import trace_lines
 from .reader import Incident, read_incident
 
 

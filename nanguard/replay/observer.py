@@ -1,53 +1,29 @@
-"""NANGUARD_REPLAY: run a captured step again, slowly and exactly, and say whether it reproduces.
-
-The unchanged training script runs with ``NANGUARD_REPLAY=DIR``; ``nanguard.init`` then
-- loads this rank's captured model, optimizer, GradScaler and LR-scheduler state (all checked
-  against the script's objects before anything is copied, so nothing is loaded half-way);
-- feeds the captured micro-batches to the root module in place of the loader's, and puts
-  every RNG back as it was when the step began (so a dropout mask is drawn again the same);
-- guards the step in forensic mode: every checked tensor is kept for an exact report, every
-  module's output and every gradient that flows back into a module's output or reaches a
-  parameter is checked synchronously, in the order it happens (the *trace*);
-- at the optimizer step (before any update) compares the job's first event with the
-  original one, writes ``replay.json`` into the incident, prints the report and raises
-  ``ReplayFinished`` (a ``SystemExit`` with code 0), which ends the unchanged script there.
-
-The guard calls a ``StepObserver`` at its few decision points whether or not a replay runs;
-``Replay`` is the one that does something.
-
-The verdict is ``reproducible`` when the same kind of event happens again in the same layer
-at the same step: a deterministic bug in the model, the data or the code. Otherwise it is
-``not_reproducible``, which points at the hardware that ran the original step (host and
-device are named) or at non-determinism, as Megatron-LM's rerun machine reasons.
-"""
+"""StepObserver, and Replay: what a guard tells of its steps, and the replay that listens."""
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
-import platform
-import socket
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from . import incident as capture
-from ._dist import Collectives
-from ._tree import floating_tensors
-from .incident import Incident, IncidentError
-from .config import Settings
-from .errors import NanguardError, ReplayFinished
-from .events import Event
-from .rank import forensics
-from .rank.modules import plain_names, unwrap
+from .. import incident as capture
+from .._dist import Collectives
+from .._tree import floating_tensors
+from ..config import Settings
+from ..errors import NanguardError, ReplayFinished
+from ..events import Event
+from ..incident import Incident, IncidentError
+from ..rank.modules import unwrap
+from .report import build_report, render
+from .trace import Trace
 
 log = logging.getLogger("nanguard")
 
-_TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 _FORENSIC_DETAIL_MB = 2.0**20  # keep every checked tensor of the one replayed step
 
 
@@ -114,8 +90,8 @@ class Replay(StepObserver):
         self.batches = incident.rank_batches(rank)
         self.rng = incident.rank_rng(rank)
         self.notes: list[str] = []
-        self.trace: dict[str, list[dict[str, Any]]] = {"forward": [], "gradients": []}
         self._forwards = 0
+        self.trace = Trace(lambda: self._forwards - 1)
         self._model_loaded = False
         self._optimizers_loaded = False
         self._handles: list[Any] = []
@@ -221,11 +197,7 @@ class Replay(StepObserver):
                                   " captured in this step; the extra ones used the script's inputs")
             return None
         batch = capture.to_device(self.batches[index], _device_of(root))
-        bad = next((t for t in floating_tensors(batch) if not forensics.is_finite(t)), None)
-        if bad is not None:
-            self._record("forward", {"module": "<the captured batch>", "module_type": "input",
-                                     "micro_batch": index, "inputs_finite": False,
-                                     "output": forensics.describe(bad)})
+        self.trace.bad_batch(batch, index)
         return tuple(batch["args"]), dict(batch["kwargs"])
 
     def _install(self, root: nn.Module, param_names: dict[int, str]) -> None:
@@ -234,56 +206,7 @@ class Replay(StepObserver):
 
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
-        traced = set()
-        for module, name in plain_names(root).items():
-            if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
-                traced.add(name)
-                self._handles.append(module.register_forward_hook(self._forward_trace(name)))
-        for param in root.parameters():
-            if param.requires_grad:
-                self._handles.append(param.register_post_accumulate_grad_hook(
-                    self._param_trace(param_names.get(id(param), "?"))))
-
-    # ------------------------------------------------------------------ the synchronous trace
-    def _record(self, kind: str, entry: dict[str, Any]) -> None:
-        records = self.trace[kind]
-        if len(records) < _TRACE_LIMIT:
-            records.append(entry)
-
-    def _forward_trace(self, name: str):
-        def hook(module, args, output):
-            outputs = floating_tensors(output)
-            bad = next((t for t in outputs if not forensics.is_finite(t)), None)
-            if bad is not None:
-                inputs = floating_tensors(args)
-                self._record("forward", {
-                    "module": name, "module_type": type(module).__name__, "micro_batch": self._forwards - 1,
-                    "inputs_finite": all(forensics.is_finite(t) for t in inputs),
-                    "output": forensics.describe(bad)})
-            if torch.is_grad_enabled():
-                for tensor in outputs:
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._grad_trace(name))
-            return None
-
-        return hook
-
-    def _grad_trace(self, name: str):
-        def hook(grad):
-            if not forensics.is_finite(grad):
-                self._record("gradients", {"gradient_of": f"output of {name or '<root>'}",
-                                           "micro_batch": self._forwards - 1, **forensics.describe(grad)})
-            return None
-
-        return hook
-
-    def _param_trace(self, name: str):
-        def hook(param):
-            if param.grad is not None and not forensics.is_finite(param.grad):
-                self._record("gradients", {"gradient_of": f"parameter {name}",
-                                           "micro_batch": self._forwards - 1, **forensics.describe(param.grad)})
-
-        return hook
+        self._handles += self.trace.install(root, param_names)
 
     # ------------------------------------------------------------------ the verdict
     def decided(self, event: Event | None) -> NoReturn:
@@ -291,10 +214,11 @@ class Replay(StepObserver):
         for handle in self._handles:
             handle.remove()
         collectives = Collectives()
-        traces = collectives.all_gather_object({"rank": self.rank, "trace": self.trace, "notes": self.notes})
+        traces = collectives.all_gather_object({"rank": self.rank, "trace": self.trace.records,
+                                                "notes": self.notes})
         report = path = None
         if self.rank == 0:
-            report = self._report(event, traces)
+            report = build_report(self.incident, self.world, event, traces)
             try:
                 path = capture.record_replay(self.incident.path, report)
             except IncidentError as exc:
@@ -304,91 +228,3 @@ class Replay(StepObserver):
             print(f"nanguard replay: rank {self.rank} done; rank 0 prints the report", flush=True)
         collectives.barrier()  # rank 0 has saved the report before any rank leaves
         raise ReplayFinished(report, path)
-
-    def _report(self, event: Event | None, traces: list[dict[str, Any]]) -> dict[str, Any]:
-        original = self.incident.first_event
-        same = {"kind": event is not None and event.kind == original.kind,
-                "layer": event is not None and event.layer == original.layer,
-                "step": event is not None and event.step == original.step}
-        reproducible = all(same.values())
-        notes = sorted({note for t in traces for note in t["notes"]})
-        suspect = self._suspect(original)
-        devices = suspect["device"]
-        if not torch.cuda.is_available() and devices not in ("cpu", None):
-            notes.append(f"replayed on the CPU: the original ran on {devices}; GPU kernels do not give"
-                         " bit-identical results, so a fault of a GPU kernel may not show here")
-        where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
-        if reproducible:
-            message = (f"the same {where} happened again with the captured weights, batch and random"
-                       " state: a deterministic bug in the model, the data or the code (see the trace)")
-        elif event is None:
-            message = (f"the step ran clean with the captured weights, batch and random state, so the "
-                       f"original {where} did not recur: suspect a transient fault of the hardware that ran"
-                       f" it (host {suspect['host']}, device {devices}, rank {original.rank}), or"
-                       " non-determinism (atomics in kernels, inputs from outside the captured batch)")
-        else:
-            message = (f"the replay found a different first event ({event}) than the original {where}:"
-                       f" suspect non-determinism or the hardware of host {suspect['host']}"
-                       f" (device {devices}, rank {original.rank})")
-        return {
-            "verdict": "reproducible" if reproducible else "not_reproducible",
-            "message": message,
-            "incident": self.incident.name,
-            "step": self.incident.step,
-            "world_size": self.world,
-            "original_event": original.to_dict(),
-            "first_event": event.to_dict() if event is not None else None,
-            "same": same,
-            "suspects": [] if reproducible else [suspect],
-            "trace": {str(t["rank"]): t["trace"] for t in traces},
-            "notes": notes,
-            "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
-                         "torch": torch.__version__,
-                         "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                         and torch.cuda.is_initialized() else "cpu",
-                         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-        }
-
-    def _suspect(self, original: Event) -> dict[str, Any]:
-        try:
-            env = self.incident.environment(original.rank)
-        except IncidentError:
-            env = {}
-        devices = env.get("devices") or []
-        current = env.get("current_device")
-        device = (devices[current] if isinstance(current, int) and 0 <= current < len(devices)
-                  else (", ".join(devices) if devices else "cpu"))
-        return {"rank": original.rank, "host": env.get("host") or original.host or "?", "device": device}
-
-
-def render(report: dict[str, Any], path: str | None) -> str:
-    """The report as a few readable lines."""
-    lines = [f"nanguard replay of {report['incident']} (step {report['step']}): {report['verdict']}",
-             f"  {report['message']}",
-             f"  original: {Event.from_dict(report['original_event'])}"]
-    if report["first_event"] is not None:
-        lines.append(f"  replayed: {Event.from_dict(report['first_event'])}")
-    lines += ["  " + line for line in trace_lines(report)]
-    lines += [f"  note: {note}" for note in report["notes"]]
-    if path is not None:
-        lines.append(f"  saved to {path}; `nanguard inspect {os.path.dirname(path)}` shows it")
-    return "\n".join(lines)
-
-
-def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
-    """The first bad values the replay's synchronous trace met, per rank, forward then backward."""
-    lines = []
-    for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
-        for entry in trace["forward"][:per_rank]:
-            role = "producer" if entry["inputs_finite"] else "propagator"
-            lines.append(f"rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
-                         f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
-        for entry in trace["gradients"][:per_rank]:
-            lines.append(f"rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
-    return lines
-
-
-def _stats(d: dict[str, Any]) -> str:
-    return (f"{d.get('bad_count')} bad of shape {d.get('shape')}, first at {d.get('first_index')}"
-            f" = {d.get('first_value')}")
-

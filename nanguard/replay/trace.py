@@ -1,0 +1,87 @@
+"""The replay's synchronous trace: every module output, every gradient flowing back into a
+module's output and every parameter gradient, checked exactly as it happens (slow: the replay
+runs one step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._tree import floating_tensors
+from ..rank import forensics
+from ..rank.modules import plain_names
+
+_TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
+
+
+class Trace:
+    """The first bad values of the step, forward and backward. ``micro_batch()`` says which
+    forward of the model is running."""
+
+    def __init__(self, micro_batch: Callable[[], int]):
+        self.records: dict[str, list[dict[str, Any]]] = {"forward": [], "gradients": []}
+        self.micro_batch = micro_batch
+
+    def install(self, root: nn.Module, param_names: dict[int, str]) -> list[Any]:
+        """Hook every module of ``root`` and every trainable parameter; returns the handles."""
+        handles = []
+        traced = set()
+        for module, name in plain_names(root).items():
+            if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
+                traced.add(name)
+                handles.append(module.register_forward_hook(self._forward_hook(name)))
+        for param in root.parameters():
+            if param.requires_grad:
+                handles.append(param.register_post_accumulate_grad_hook(
+                    self._param_hook(param_names.get(id(param), "?"))))
+        return handles
+
+    def record(self, kind: str, entry: dict[str, Any]) -> None:
+        records = self.records[kind]
+        if len(records) < _TRACE_LIMIT:
+            records.append(entry)
+
+    def bad_batch(self, batch: Any, index: int) -> None:
+        """Note a captured micro-batch that is itself non-finite."""
+        bad = next((t for t in floating_tensors(batch) if not forensics.is_finite(t)), None)
+        if bad is not None:
+            self.record("forward", {"module": "<the captured batch>", "module_type": "input",
+                                    "micro_batch": index, "inputs_finite": False,
+                                    "output": forensics.describe(bad)})
+
+    def _forward_hook(self, name: str):
+        def hook(module, args, output):
+            outputs = floating_tensors(output)
+            bad = next((t for t in outputs if not forensics.is_finite(t)), None)
+            if bad is not None:
+                self.record("forward", {
+                    "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(),
+                    "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors(args)),
+                    "output": forensics.describe(bad)})
+            if torch.is_grad_enabled():
+                for tensor in outputs:
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(name))
+            return None
+
+        return hook
+
+    def _grad_hook(self, name: str):
+        def hook(grad):
+            if not forensics.is_finite(grad):
+                self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
+                                          "micro_batch": self.micro_batch(), **forensics.describe(grad)})
+            return None
+
+        return hook
+
+    def _param_hook(self, name: str):
+        def hook(param):
+            if param.grad is not None and not forensics.is_finite(param.grad):
+                self.record("gradients", {"gradient_of": f"parameter {name}",
+                                          "micro_batch": self.micro_batch(), **forensics.describe(param.grad)})
+
+        return hook
