@@ -50,6 +50,7 @@ from nanguard.wire import MAX_BYTES, Codec  # noqa: E402
 
 TARGETS = {"ingest_events_per_s": 50_000, "fanout_p99_ms": 50.0, "peak_rss_mb": 200.0}
 TOKEN = "bench-token"
+OPERATOR_TOKEN = "bench-operator-token"
 
 
 # --- simulated ranks (worker processes) ----------------------------------------------------
@@ -75,7 +76,6 @@ def _worker(ranks: list[int], address: str, token: str | None, conn) -> None:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 2)
-        sock.setsockopt(zmq.ROUTING_ID, f"sim{rank}".encode())
         sock.connect(address)
         sockets.append(sock)
         codecs.append(Codec(f"sim{rank}@bench:{os.getpid()}:{time.time_ns()}", token))
@@ -83,6 +83,7 @@ def _worker(ranks: list[int], address: str, token: str | None, conn) -> None:
     poller = zmq.Poller()
     for sock in sockets:
         poller.register(sock, zmq.POLLIN)
+    instance = _handshake(sockets, codecs)
     job = ""
     try:
         while True:
@@ -92,19 +93,19 @@ def _worker(ranks: list[int], address: str, token: str | None, conn) -> None:
                 for rank, sock, codec in zip(ranks, sockets, codecs):
                     sock.send_multipart(codec.encode("hello", {
                         "rank": rank, "local_rank": rank % 8, "world_size": args[1], "host": "bench",
-                        "pid": os.getpid(), "job": job, "device": "cpu", "version": "bench"}))
+                        "pid": os.getpid(), "job": job, "device": "cpu", "version": "bench"}, to=instance))
                 conn.send("ok")
             elif command == "ingest":
                 seconds, senders = args
                 conn.send(_ingest(ranks[:senders], sockets[:senders], codecs[:senders], job, events_json,
-                                  per_message, seconds))
+                                  per_message, seconds, instance))
             elif command == "arm":
                 _drain(poller)
                 conn.send("armed")
-                conn.send(_await_stop(ranks, sockets, codecs, poller, job, conn, args[0]))
+                conn.send(_await_stop(ranks, sockets, codecs, poller, job, conn, args[0], instance))
             elif command == "bye":
                 for rank, sock, codec in zip(ranks, sockets, codecs):
-                    sock.send_multipart(codec.encode("bye", {"rank": rank, "job": job}))
+                    sock.send_multipart(codec.encode("bye", {"rank": rank, "job": job, "clean": True}, to=instance))
                 _drain(poller)
                 conn.send("ok")
             else:
@@ -115,7 +116,20 @@ def _worker(ranks: list[int], address: str, token: str | None, conn) -> None:
         context.term()
 
 
-def _ingest(ranks, sockets, codecs, job, events_json, per_message, seconds) -> int:
+def _handshake(sockets, codecs) -> str:
+    """Each simulated rank's handshake; the coordinator instance the welcomes name."""
+    for sock, codec in zip(sockets, codecs):
+        sock.send_multipart(codec.encode("handshake", {}, to=""))
+    instances = set()
+    for sock, codec in zip(sockets, codecs):
+        if not sock.poll(30_000):
+            raise SystemExit("no welcome from the coordinator within 30 s")
+        instances.add(codec.decode(sock.recv_multipart()).sender)
+    (instance,) = instances
+    return instance
+
+
+def _ingest(ranks, sockets, codecs, job, events_json, per_message, seconds, instance) -> int:
     bodies = [f'{{"rank":{rank},"job":"{job}","events":{events_json},"action":"warn"}}' for rank in ranks]
     sent = 0
     deadline = time.monotonic() + seconds
@@ -124,7 +138,7 @@ def _ingest(ranks, sockets, codecs, job, events_json, per_message, seconds) -> i
         for sock, codec, body in zip(sockets, codecs, bodies):
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
                 try:
-                    sock.send_multipart(codec.encode_json("events", body), zmq.NOBLOCK)
+                    sock.send_multipart(codec.encode_json("events", body, to=instance), zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 sent += per_message
@@ -141,7 +155,7 @@ def _drain(poller) -> None:
             sock.recv_multipart()
 
 
-def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s) -> list[float]:
+def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s, instance) -> list[float]:
     """When the stop reached each rank (time.time()); acks and says bye after.
 
     The parent sends the command id once its request is answered; a message of an earlier
@@ -184,8 +198,9 @@ def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s) -> list[fl
     for i, (when, frames) in sorted(done.items()):
         message = codecs[i].decode(frames)
         sockets[i].send_multipart(codecs[i].encode("ack", {"rank": ranks[i],
-                                                           "command_id": message.body["command_id"]}))
-        sockets[i].send_multipart(codecs[i].encode("bye", {"rank": ranks[i], "job": job}))
+                                                           "command_id": message.body["command_id"]}, to=instance))
+        sockets[i].send_multipart(codecs[i].encode("bye", {"rank": ranks[i], "job": job, "clean": True},
+                                                   to=instance))
         times.append(when)
     _drain(poller)
     return times
@@ -195,11 +210,15 @@ def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s) -> list[fl
 
 
 class Coordinator:
-    def __init__(self, log_path: Path, token: str | None):
+    """``python -m nanguard coordinator`` on a free loopback port, with these secrets."""
+
+    def __init__(self, log_path: Path, token: str | None, operator_token: str | None = OPERATOR_TOKEN):
         env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         if token:
             env["NANGUARD_TOKEN"] = token
+        if operator_token:
+            env["NANGUARD_OPERATOR_TOKEN"] = operator_token
         self.stderr = open(log_path.with_suffix(".stderr"), "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanguard", "coordinator", "--bind", "tcp://127.0.0.1:0",
@@ -220,11 +239,18 @@ class Coordinator:
         self.close()
         raise SystemExit(f"coordinator did not start:\n{log_path.with_suffix('.stderr').read_text()}")
 
-    def events_counted(self) -> float:
+    def samples(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of /metrics: {(name, sorted label pairs): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(self.metrics_url, timeout=30) as response:
             text = response.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("nanguard_nonfinite_events_total{"))
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def events_counted(self) -> float:
+        return sum(value for (name, _), value in self.samples().items()
+                   if name == "nanguard_nonfinite_events_total")
 
     def status(self) -> dict:
         return request(self.address, self.token, "status_request", {}, timeout_s=30).body
@@ -327,7 +353,8 @@ def run(ranks: int, procs: int, senders: int, seconds: float, rounds: int, token
             _wait_registered(coordinator, job, ranks)
             everyone("arm", 30.0)  # each worker answers "armed", then polls its sockets
             sent_at = time.time()
-            reply = request(coordinator.address, token, "stop_request", {"reason": "benchmark"}, timeout_s=30)
+            reply = request(coordinator.address, token, "stop_request", {"reason": "benchmark"},
+                            operator_token=OPERATOR_TOKEN, timeout_s=30)
             for pipe in pipes:
                 pipe.send(reply.body["command_id"])
             times = [t for pipe in pipes for t in pipe.recv()]

@@ -22,11 +22,12 @@ def _ask(args: argparse.Namespace, type_: str, body: dict):
     """One operator request; the reply, or an exit code after saying what went wrong."""
     from .config import setting_from_env
     from .coordinator.control import request
-    from .errors import ConfigError, CoordinatorUnreachable, ProtocolError
+    from .errors import ConfigError, CoordinatorUnreachable, ProtocolError, RequestRefused
 
     try:
         address = args.coordinator or setting_from_env("coordinator")
-        token = setting_from_env("token")
+        token, operator_token, curve_public_key = (setting_from_env(name) for name in
+                                                   ("token", "operator_token", "curve_public_key"))
     except ConfigError as exc:
         print(f"nanguard {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -35,8 +36,9 @@ def _ask(args: argparse.Namespace, type_: str, body: dict):
               "set NANGUARD_COORDINATOR", file=sys.stderr)
         return 2
     try:
-        return request(address, token, type_, body, timeout_s=args.timeout_s)
-    except (CoordinatorUnreachable, ProtocolError) as exc:
+        return request(address, token, type_, body, operator_token=operator_token,
+                       curve_public_key=curve_public_key, timeout_s=args.timeout_s)
+    except (CoordinatorUnreachable, ProtocolError, RequestRefused) as exc:
         print(f"nanguard {args.command}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
@@ -63,8 +65,8 @@ def format_status(status: dict, now: float) -> str:
 
     rows = [("rank", "host", "step", "last seen", "state", "events", "dropped")]
     for r in status["ranks"]:
-        state = ("finished" if r["finished"] else "stalled" if r["stalled"] else
-                 "alive" if r["alive"] else "dead")
+        state = ("finished" if r["finished"] else "failed" if r["failed"] else "stalled" if r["stalled"]
+                 else "alive" if r["alive"] else "dead")
         rows.append((str(r["rank"]), r["host"] or "?", "?" if r["step"] is None else str(r["step"]),
                      f"{max(0.0, now - r['last_seen']):.1f} s ago", state, str(r["events"]),
                      str(r["dropped"])))
@@ -90,6 +92,16 @@ def _stop(args: argparse.Namespace) -> int:
         print(f"{command_id} (the job was already stopping; that command stands)")
     else:
         print(command_id)
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from .curve import keypair
+
+    public, secret = keypair()
+    print(f"# the coordinator's CurveZMQ key pair (nanguard keys): the secret to the coordinator only,\n"
+          f"# the public key to the ranks and operators\nNANGUARD_CURVE_SECRET_KEY={secret}\n"
+          f"NANGUARD_CURVE_PUBLIC_KEY={public}")
     return 0
 
 
@@ -119,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             verb.add_argument("--json", action="store_true", help="print the reply as JSON")
         else:
             verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
+    keys = commands.add_parser("keys", help="print a new CurveZMQ key pair for the coordinator (optional "
+                                             "encryption of the ranks' link)")
+    keys.set_defaults(func=_keys)
     # listed here for --help; its own parser (nanguard/incident/report.py) reads its arguments
     commands.add_parser("inspect", add_help=False,
                         help="summarise an incident folder: nanguard inspect DIR [--json]")

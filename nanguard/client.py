@@ -1,12 +1,15 @@
 """The rank side of the coordinator link: a bounded queue and one thread that owns the socket.
 
 The training thread only puts into a queue (``send_event``) or stores values (``update``): O(1),
-never blocking, never failing when the coordinator is down, late or gone. The ``nanguard-client``
-thread connects a DEALER socket (ZeroMQ connects lazily and reconnects by itself), says
-``hello`` on every new connection, sends the queued events in batches, a ``heartbeat`` every
-``heartbeat_s``, and acks the coordinator's ``stop`` commands, handing each new one to
-``on_stop``. Events that cannot be queued or sent are dropped and counted; the count travels
-in heartbeats. No torch, no prometheus_client.
+never blocking, never failing when the coordinator is down, late, gone or hostile. The
+``nanguard-client`` thread connects a DEALER socket (ZeroMQ connects lazily and reconnects by
+itself). On every new connection it sends a ``handshake``; the coordinator's ``welcome`` names
+its instance, which every later message is addressed to, starting with this rank's ``hello``.
+Then it sends the queued events in batches, a ``heartbeat`` every ``heartbeat_s``, and acks the
+coordinator's ``stop`` commands, handing each new one to ``on_stop``. Events that cannot be queued
+or sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
+thread: a bad message is dropped (and logged, at most once a minute per kind), and an unexpected
+error is logged with its traceback and the thread goes on. No torch, no prometheus_client.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import curve
 from .errors import ProtocolError
 from .events import Event, json_float
-from .protocol import IDENTITY_FIELDS, POLICIES, STOP_REASONS, parse_address
-from .wire import MAX_BYTES, MAX_EVENTS, Codec, ReplayFilter, check_body
+from .protocol import IDENTITY_FIELDS, POLICIES, STOP_REASONS, check_curve_key, parse_address
+from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body
 
 log = logging.getLogger("nanguard.client")
 
@@ -38,6 +42,10 @@ _BATCHES_PER_TURN = 8
 _MAX_CONTROL = 1024
 _MAX_REMEMBERED_COMMANDS = 64
 _WARN_EVERY_S = 60.0
+_HANDSHAKE_EVERY_S = 1.0
+"""how often an unanswered handshake is sent again (the welcome can be lost while reconnecting)"""
+_RETRY_SOCKET_S = 5.0
+"""how long the thread waits before making a new socket after ZeroMQ failed on the last one"""
 
 OnStop = Callable[[str, str, str], None]
 
@@ -124,18 +132,149 @@ class Outbox:
         return events, sum(type_ != "bye" for type_, _ in self.control)
 
 
+class Link:
+    """The protocol state of one rank's link to the coordinator, apart from the socket.
+
+    ``sender`` names this session (every message to it must say so in ``to``). ``instance`` is the
+    coordinator instance that welcomed this connection, or None before its ``welcome``: until then
+    only handshakes go out.
+    """
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.instance: str | None = None
+        self._replay = ReplayFilter(max_senders=16)
+        self._first_handshake: int | None = None
+        """seq of the first handshake on this connection: a welcome must answer one of ours since"""
+
+    @property
+    def sender(self) -> str:
+        return self.codec.sender
+
+    def reset(self) -> None:
+        """A new connection (or none): welcome again before anything else is sent."""
+        self.instance, self._first_handshake = None, None
+
+    def handshake(self) -> list[bytes]:
+        frames = self.codec.encode("handshake", {}, to="")
+        if self._first_handshake is None:
+            self._first_handshake = self.codec.last_seq
+        return frames
+
+    def encode(self, type_: str, body: dict[str, Any]) -> list[bytes]:
+        """A message to the welcoming instance (never called before the welcome)."""
+        return self.codec.encode(type_, body, to=self.instance)
+
+    def read(self, frames: list[bytes], now: float) -> Message:
+        """A message from the coordinator: a ``welcome`` (then ``instance`` is set) or a ``stop``
+        of the welcoming instance; raises ProtocolError for anything else."""
+        message = self.codec.decode(frames)
+        self._replay.check(message, now)
+        if message.type == "welcome":
+            first = self._first_handshake
+            if first is None or message.body["handshake_seq"] < first:
+                raise ProtocolError(f"a welcome from {message.sender} that answers no handshake of this "
+                                    "connection", reason="replayed")
+            self.instance = message.sender
+        elif message.type == "stop":
+            if message.sender != self.instance:
+                raise ProtocolError(f"a stop from {message.sender}, not from the coordinator instance that "
+                                    f"welcomed this connection ({self.instance})", reason="instance")
+        else:
+            raise ProtocolError(f"a {message.type} message does not travel to a rank", reason="schema")
+        return message
+
+
+class _Sender:
+    """What the client thread puts on the socket: handshakes until the coordinator welcomes this
+    connection, then control messages first, a due heartbeat, and batches of queued events."""
+
+    def __init__(self, outbox: Outbox, link: Link, identity: dict[str, Any], heartbeat_s: float,
+                 warn: Callable[..., None]):
+        self._outbox, self._link, self._identity = outbox, link, identity
+        self.heartbeat_s = heartbeat_s
+        self._warn = warn
+        self.next_heartbeat = 0.0
+        self.next_handshake = 0.0
+
+    def send(self, sock: zmq.Socket, now: float, connected: bool) -> bool:
+        """Send what is due; True when nothing is left."""
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            return self._outbox.empty()
+        if self._link.instance is None:
+            if connected and now >= self.next_handshake:
+                self._frames(sock, self._link.handshake())
+                self.next_handshake = now + _HANDSHAKE_EVERY_S
+            return self._outbox.empty()
+        control = self._outbox.control
+        while control:
+            type_, body = control[0]
+            if not self._one(sock, type_, body):
+                return False
+            control.popleft()
+        if now >= self.next_heartbeat:
+            self._one(sock, "heartbeat", self._outbox.heartbeat())
+            self.next_heartbeat = now + self.heartbeat_s
+        for _ in range(_BATCHES_PER_TURN):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                return False  # ZeroMQ's buffer is full: the events wait in the queue
+            batch = self._outbox.take_batch()
+            if not batch:
+                return True
+            if not self._events(sock, batch):
+                return False
+        return False
+
+    def _events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
+        body = {"rank": self._identity["rank"], "job": self._identity["job"],
+                "events": [event.to_dict(compact=True) for event, _ in batch], "action": batch[0][1]}
+        try:
+            frames = self._link.encode("events", body)
+        except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold
+            if len(batch) == 1:
+                self._outbox.dropped_sent += 1
+                self._warn("unsendable", f"nanguard: an event that cannot be sent to the coordinator "
+                           f"was dropped ({exc}): {batch[0][0]}")
+                return True
+            half = len(batch) // 2  # halves until the culprit is alone
+            return self._events(sock, batch[:half]) and self._events(sock, batch[half:])
+        if not self._frames(sock, frames):
+            self._outbox.dropped_sent += len(batch)
+            return False
+        return True
+
+    def _one(self, sock: zmq.Socket, type_: str, body: dict[str, Any]) -> bool:
+        """False when it could not be sent now; a message that cannot be encoded is dropped."""
+        try:
+            frames = self._link.encode(type_, body)
+        except (TypeError, ValueError) as exc:
+            self._warn(type_, f"nanguard: a {type_} message for the coordinator cannot be encoded "
+                       f"({exc}); it is dropped")
+            return True
+        return self._frames(sock, frames)
+
+    @staticmethod
+    def _frames(sock: zmq.Socket, frames: list[bytes]) -> bool:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+
 class Client:
     """One rank's link to the coordinator at ``address``.
 
-    ``identity``: this rank's ``hello`` body (``IDENTITY_FIELDS``). ``queue_size``: events held
-    while the thread catches up (or the coordinator is away); more are dropped and counted.
-    ``on_stop(command_id, reason, origin)``: called on the client thread, once per stop command;
-    keep it short (set a flag).
+    ``identity``: this rank's ``hello`` body (``IDENTITY_FIELDS``). ``token``: NANGUARD_TOKEN, or
+    None. ``curve_public_key``: the coordinator's CurveZMQ public key, or None for a plain link.
+    ``queue_size``: events held while the thread catches up (or the coordinator is away); more are
+    dropped and counted. ``on_stop(command_id, reason, origin)``: called on the client thread, once
+    per stop command; keep it short (set a flag).
     """
 
     def __init__(self, address: str, *, token: str | None, identity: dict[str, Any],
                  queue_size: int = 1024, heartbeat_s: float = 2.0, on_stop: OnStop | None = None,
-                 context: zmq.Context | None = None):
+                 curve_public_key: str | None = None, context: zmq.Context | None = None):
         parse_address(address)  # ValueError: says what an address looks like
         missing = [name for name in IDENTITY_FIELDS if name not in identity]
         if missing or set(identity) - set(IDENTITY_FIELDS):
@@ -147,21 +286,21 @@ class Client:
             raise ValueError(f"invalid identity: {exc}") from None
         if not (isinstance(queue_size, int) and queue_size > 0 and heartbeat_s > 0):
             raise ValueError(f"queue_size={queue_size!r} and heartbeat_s={heartbeat_s!r} must be positive")
+        if curve_public_key is not None:
+            check_curve_key(curve_public_key, "curve_public_key")
         self.address = address
         self.identity = dict(identity)
-        self.heartbeat_s = heartbeat_s
         self.on_stop = on_stop
         self._context = context or zmq.Context.instance()
-        rank = identity["rank"]
-        self._codec = Codec(f"rank{rank}@{identity['host']}:{identity['pid']}:{secrets.token_hex(4)}",
-                            token)
-        # one routing id per rank and job: a reconnecting rank takes its place (ROUTER_HANDOVER)
-        self._routing_id = f"rank{rank}@{identity['job']}".encode()[:255]
-        self._replay = ReplayFilter(max_senders=16)
+        self._curve_public_key = curve_public_key
+        # the session name is unguessable and new for every process: a coordinator binds the rank
+        # to it at hello, and nobody else can speak for this process
+        self._link = Link(Codec(f"rank{identity['rank']}@{identity['host']}:{identity['pid']}:"
+                                f"{secrets.token_hex(8)}", token))
         self._outbox = Outbox(self.identity, queue_size)
+        self._sender = _Sender(self._outbox, self._link, self.identity, heartbeat_s, self._warn)
         self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
         self._connected = False
-        self._next_heartbeat = 0.0
         self._warned_at: dict[str, float] = {}
         self._stopping = threading.Event()
         self._close_deadline = math.inf
@@ -202,15 +341,20 @@ class Client:
         """Events dropped so far: queue full, or not sendable."""
         return self._outbox.dropped
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = 2.0, *, clean: bool = True) -> None:
         """Say ``bye``, send what can be sent within ``timeout_s``, stop the thread, close the
-        socket. Returns within ``timeout_s`` (plus a little) whatever the coordinator does."""
+        socket. Returns within ``timeout_s`` (plus a little) whatever the coordinator does.
+
+        ``clean=False``: the process ends by an error (an uncaught exception, or torn down after
+        another rank failed); the coordinator then counts this rank as failed at once, never as
+        finished.
+        """
         thread = self._thread
         if thread is None or self._stopping.is_set():
             return
         # the last step reached, which a heartbeat period may not have shown yet, then goodbye
         self._outbox.control.append(("heartbeat", self._outbox.heartbeat()))
-        self._control_message("bye", {})
+        self._control_message("bye", {"clean": bool(clean)})
         self._close_deadline = time.monotonic() + 0.8 * timeout_s
         self._stopping.set()
         if thread is threading.current_thread():
@@ -224,8 +368,8 @@ class Client:
         self.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        self.close(clean=exc_type is None)
 
     def _control_message(self, type_: str, fields: dict[str, Any]) -> None:
         if not self._outbox.put_control(type_, fields):
@@ -235,8 +379,24 @@ class Client:
     # --- client thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        while True:
+            try:
+                self._session()
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM or self._stopping.is_set():
+                    return
+                log.error("nanguard client for %s: ZeroMQ failed (%s); a new socket in %.0f s (training "
+                          "goes on, guarded locally)", self.address, exc, _RETRY_SOCKET_S)
+                if self._stopping.wait(_RETRY_SOCKET_S):
+                    return
+
+    def _session(self) -> None:
+        """One socket, from connect until the client closes (or ZeroMQ fails: ZMQError)."""
         sock = self._context.socket(zmq.DEALER)
         monitor = None
+        self._connected = False
+        self._link.reset()
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
@@ -245,13 +405,13 @@ class Client:
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            if self._curve_public_key is not None:
+                curve.connect(sock, self._curve_public_key)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             sock.connect(self.address)
             self._loop(sock, monitor)
-        except zmq.ZMQError as exc:
-            log.error("nanguard client for %s failed: %s; events are no longer sent to the coordinator "
-                      "(training goes on, guarded locally)", self.address, exc)
         finally:
             linger_s = max(0.0, self._close_deadline - time.monotonic()) if self._stopping.is_set() else 0
             if monitor is not None:
@@ -265,28 +425,47 @@ class Client:
         poller.register(monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(_POLL_S * 1000))
-            now = time.time()
-            if monitor in ready:
-                self._connection_events(monitor)
-            if sock in ready:
-                self._receive(sock, now)
-            done = self._send(sock, now)
-            if self._stopping.is_set() and (done or not self._connected
-                                            or time.monotonic() >= self._close_deadline):
+            # read before the turn: close() queues its bye before it sets the flag, so a turn that
+            # began after the flag was set has seen the bye (a "done" from before it has not)
+            stopping = self._stopping.is_set()
+            try:
+                done = self._turn(sock, monitor, ready)
+            except zmq.ZMQError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug (or a peer finding one) must not end the link
+                self._warn("internal", "nanguard: the coordinator link failed on a turn; it goes on",
+                           exc_info=True)
+                done = False
+            if stopping and (done or not self._connected or time.monotonic() >= self._close_deadline):
                 if not done:
                     self._drop_unsent()
                 return
+
+    def _turn(self, sock: zmq.Socket, monitor: zmq.Socket, ready: dict) -> bool:
+        """Read what arrived, send what is due; True when nothing is left to send."""
+        now = time.time()
+        if monitor in ready:
+            self._connection_events(monitor)
+        if sock in ready:
+            self._receive(sock, now)
+        return self._sender.send(sock, now, self._connected)
 
     def _connection_events(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                # first contact, a coordinator restarted, or the network came back: learn which
+                # instance is there before saying anything else
                 self._connected = True
-                # first contact, or a coordinator restarted: introduce this rank (first in line)
-                self._outbox.control.appendleft(("hello", self.identity))
-                self._next_heartbeat = 0.0
+                self._link.reset()
+                self._sender.next_handshake = self._sender.next_heartbeat = 0.0
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._link.reset()
+            else:
+                self._warn("curve", f"nanguard: the connection to the coordinator at {self.address} failed "
+                           "its handshake: does NANGUARD_CURVE_PUBLIC_KEY match the coordinator's key (and "
+                           "does it use CurveZMQ at all)?")
 
     def _receive(self, sock: zmq.Socket, now: float) -> None:
         while True:
@@ -295,82 +474,29 @@ class Client:
             except zmq.Again:
                 return
             try:
-                message = self._codec.decode(frames)
-                self._replay.check(message, now)
-                if message.type != "stop":
-                    raise ProtocolError(f"a {message.type} message does not travel to a rank", "schema")
+                message = self._link.read(frames, now)
             except ProtocolError as exc:
                 self._warn(exc.reason, f"nanguard: dropped a bad message from the coordinator at "
                            f"{self.address}: {exc}")
                 continue
-            command_id = message.body["command_id"]
-            self._outbox.control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
-            if command_id in self._delivered:
-                continue  # sent again because our ack was late: already handed on
-            self._delivered.append(command_id)
-            if self.on_stop is not None:
-                try:
-                    self.on_stop(command_id, message.body["reason"], message.body["origin"])
-                except Exception:  # noqa: BLE001 - the user's callback must not end this thread
-                    log.exception("nanguard: on_stop raised for stop command %s; the client goes on",
-                                  command_id)
+            if message.type == "welcome":
+                # introduce this rank to the instance, first in line
+                self._outbox.control.appendleft(("hello", self.identity))
+                self._sender.next_heartbeat = 0.0
+            else:
+                self._on_stop_command(message.body)
 
-    def _send(self, sock: zmq.Socket, now: float) -> bool:
-        """Send control messages, a due heartbeat, queued events; True when nothing is left."""
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            return self._outbox.empty()
-        control = self._outbox.control
-        while control:
-            type_, body = control[0]
-            if not self._send_one(sock, type_, body):
-                return False
-            control.popleft()
-        if now >= self._next_heartbeat:
-            self._send_one(sock, "heartbeat", self._outbox.heartbeat())
-            self._next_heartbeat = now + self.heartbeat_s
-        for _ in range(_BATCHES_PER_TURN):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                return False  # ZeroMQ's buffer is full: the events wait in the queue
-            batch = self._outbox.take_batch()
-            if not batch:
-                return True
-            if not self._send_events(sock, batch):
-                return False
-        return False
-
-    def _send_events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
-        body = {"rank": self.identity["rank"], "job": self.identity["job"],
-                "events": [event.to_dict(compact=True) for event, _ in batch], "action": batch[0][1]}
-        try:
-            frames = self._codec.encode("events", body)
-        except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold
-            if len(batch) == 1:
-                self._outbox.dropped_sent += 1
-                self._warn("unsendable", f"nanguard: an event that cannot be sent to the coordinator "
-                           f"was dropped ({exc}): {batch[0][0]}")
-                return True
-            half = len(batch) // 2  # halves until the culprit is alone
-            return self._send_events(sock, batch[:half]) and self._send_events(sock, batch[half:])
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            self._outbox.dropped_sent += len(batch)
-            return False
-        return True
-
-    def _send_one(self, sock: zmq.Socket, type_: str, body: dict[str, Any]) -> bool:
-        """False when it could not be sent now; a message that cannot be encoded is dropped."""
-        try:
-            frames = self._codec.encode(type_, body)
-        except (TypeError, ValueError) as exc:
-            self._warn(type_, f"nanguard: a {type_} message for the coordinator cannot be encoded "
-                       f"({exc}); it is dropped")
-            return True
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+    def _on_stop_command(self, body: dict[str, Any]) -> None:
+        command_id = body["command_id"]
+        self._outbox.control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
+        if command_id in self._delivered:
+            return  # sent again because our ack was late: already handed on
+        self._delivered.append(command_id)
+        if self.on_stop is not None:
+            try:
+                self.on_stop(command_id, body["reason"], body["origin"])
+            except Exception:  # noqa: BLE001 - the user's callback must not end this thread
+                log.exception("nanguard: on_stop raised for stop command %s; the client goes on", command_id)
 
     def _drop_unsent(self) -> None:
         events, others = self._outbox.drop_unsent()
@@ -378,8 +504,8 @@ class Client:
             log.warning("nanguard: closing with %d event(s) and %d other message(s) not sent to the "
                         "coordinator at %s", events, others, self.address)
 
-    def _warn(self, key: str, text: str) -> None:
+    def _warn(self, key: str, text: str, *, exc_info: bool = False) -> None:
         now = time.monotonic()
         if now - self._warned_at.get(key, -math.inf) >= _WARN_EVERY_S:
             self._warned_at[key] = now
-            log.warning("%s", text)
+            log.warning("%s", text, exc_info=exc_info)

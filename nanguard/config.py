@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .protocol import POLICIES, Policy, parse_address
+from .protocol import POLICIES, Policy, check_curve_key, parse_address
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -56,7 +57,12 @@ class Settings:
     on_nan: Policy = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
     dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
     coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
-    token: str | None = _setting(None, _parse_optional_str, "shared secret for coordinator messages")
+    token: str | None = _setting(None, _parse_optional_str, "the ranks' shared secret for coordinator messages")
+    curve_public_key: str | None = _setting(
+        None, _parse_optional_str,
+        "the coordinator's CurveZMQ public key: encrypt the link, and talk only to the coordinator holding "
+        "its secret key"
+    )
     heartbeat_s: float = _setting(2.0, float, "seconds between heartbeats to the coordinator")
     event_queue: int = _setting(
         1024, int, "events held for the coordinator's sender thread; more are dropped and counted"
@@ -102,6 +108,11 @@ class Settings:
                 parse_address(self.coordinator)
             except ValueError as exc:
                 raise ConfigError(str(exc).replace("coordinator address ", "coordinator=", 1)) from None
+        if self.curve_public_key is not None:
+            try:
+                check_curve_key(self.curve_public_key, "curve_public_key")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
             raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")
         for name in ("max_events", "max_pending", "spike_warmup_steps", "event_queue"):
@@ -161,17 +172,41 @@ class Settings:
             raise ConfigError(f"{exc} (environment variables in use: {', '.join(from_env)})") from None
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _DaemonSettings:
+    """Variables that only the coordinator and operator commands read, never a guard: secrets that
+    a training process must not hold."""
+
+    operator_token: str | None = _setting(
+        None, _parse_optional_str, "the operators' secret: stopping a job needs it; never give it to ranks"
+    )
+    curve_secret_key: str | None = _setting(
+        None, _parse_optional_str, "the coordinator's CurveZMQ secret key (give it to the coordinator only)"
+    )
+
+
+_CURVE_KEYS = ("curve_public_key", "curve_secret_key")
+
+
 def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """One setting from its ``NANGUARD_*`` variable, else its default.
+    """One setting from its ``NANGUARD_*`` variable, else its default; also the daemon's own
+    ``operator_token`` and ``curve_secret_key``.
 
     For the coordinator daemon and the operator commands, which need only the address or the
-    token: a bad value of a guard-only variable (``NANGUARD_ON_NAN``...) must not stop them.
+    secrets: a bad value of a guard-only variable (``NANGUARD_ON_NAN``...) must not stop them.
     """
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    fields = {f.name: f for cls in (Settings, _DaemonSettings) for f in dataclasses.fields(cls)}
     if name not in fields:
         raise ConfigError(f"unknown nanguard setting {name!r}; valid: {', '.join(sorted(fields))}")
     value = _from_env(fields[name], os.environ if environ is None else environ)
-    return fields[name].default if value is _UNSET else value
+    if value is _UNSET:
+        return fields[name].default
+    if name in _CURVE_KEYS and value is not None:
+        try:
+            check_curve_key(value, _variable(name))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return value
 
 
 _UNSET = object()

@@ -7,7 +7,8 @@
      ├── StopRequested      (also a RuntimeError) the coordinator or an operator stopped the job
      ├── ProtocolError      (also a ValueError)   a malformed or unauthenticated wire message
      ├── IncidentError      (also a ValueError)   an incident folder cannot be written or read
-     └── CoordinatorUnreachable                   an operator request got no valid reply
+     ├── CoordinatorUnreachable                   an operator request got no valid reply
+     └── RequestRefused                           the coordinator refused an operator request
     SystemExit
      └── ReplayFinished                           a replay ran its step and wrote its report
 
@@ -61,10 +62,12 @@ class StopRequested(NanguardError, RuntimeError):
 
 
 class ProtocolError(NanguardError, ValueError):
-    """A wire message was malformed, too large, of an unknown version, or unauthenticated.
+    """A wire message was malformed, too large, of an unknown version, unauthenticated, or refused.
 
-    ``reason`` is a short machine-readable word (a metric label), one of
-    ``nanguard.protocol.WIRE_REASONS``.
+    ``reason`` is a short machine-readable word (a metric label): one of
+    ``nanguard.protocol.WIRE_REASONS`` when the codec refused the message, one of
+    ``nanguard.protocol.BAD_MESSAGE_REASONS`` when the coordinator did (another job, a rank that
+    did not say hello, a stop without the operator credential...).
     """
 
     def __init__(self, message: str, reason: str = "malformed"):
@@ -86,6 +89,11 @@ class IncidentError(NanguardError, ValueError):
 
 class CoordinatorUnreachable(NanguardError):
     """No valid reply from the coordinator within the timeout."""
+
+
+class RequestRefused(NanguardError):
+    """The coordinator answered an operator request with a refusal (a stop without the operator
+    credential); the message says why and what to set."""
 
 
 class ReplayFinished(SystemExit):

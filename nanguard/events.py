@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import reprlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,16 @@ from typing import Any
 
 from .errors import ProtocolError
 from .protocol import KINDS, WARN_KINDS
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded in depth and length: a value that came off
+    the wire nested a thousand deep must not make repr() recurse (RecursionError)."""
+    return _REPR.repr(value)
 
 
 def json_float(value: float | None) -> float | str | None:
@@ -32,8 +43,11 @@ def read_float(value: Any, name: str) -> float | None:
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ProtocolError(f"event field {name}={value!r} is not a number")
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits: JSON has it, no float holds it
+            raise ProtocolError(f"event field {name} is an integer too large for a float") from None
+    raise ProtocolError(f"event field {name}={shown(value)} is not a number")
 
 
 def _fmt(value: float) -> str:
@@ -187,7 +201,7 @@ def event_values(data: Any) -> dict[str, Any]:
     if plan is None:
         return _checked_values(data)  # slowly, and saying what is wrong
     if data["kind"] not in KINDS:
-        raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+        raise ProtocolError(f"event kind {shown(data['kind'])} is not one of {', '.join(KINDS)}")
     values = dict(data)
     for name, check in plan:
         values[name] = _check_value(check, name, data[name])
@@ -215,17 +229,17 @@ def _check_value(check: int, name: str, value: Any) -> Any:
     """One field's value, checked (ProtocolError) and converted to what Event holds."""
     if check == _INT or check == _OPTIONAL_INT:
         if not _is_int(value) and (value is not None or check == _INT):
-            raise ProtocolError(f"event field {name}={value!r} is not an integer")
+            raise ProtocolError(f"event field {name}={shown(value)} is not an integer")
     elif check == _FLOAT:
         if value.__class__ is not float and value is not None:
             return read_float(value, name)
     elif check == _STR:
         if not isinstance(value, str):
-            raise ProtocolError(f"event field {name}={value!r} is not a string")
+            raise ProtocolError(f"event field {name}={shown(value)} is not a string")
     elif check == _INTS:
         if value is not None:
             if not isinstance(value, (list, tuple)) or not _INT_TYPE.issuperset(map(type, value)):
-                raise ProtocolError(f"event field {name}={value!r} is not a list of integers")
+                raise ProtocolError(f"event field {name}={shown(value)} is not a list of integers")
             return tuple(value)
     elif not isinstance(value, dict):
         raise ProtocolError(f"event field {name} is not an object")
@@ -242,7 +256,7 @@ def _checked_values(data: Any) -> dict[str, Any]:
         if required not in data:
             raise ProtocolError(f"event is missing the field {required!r}")
     if data["kind"] not in KINDS:
-        raise ProtocolError(f"event kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+        raise ProtocolError(f"event kind {shown(data['kind'])} is not one of {', '.join(KINDS)}")
     values = dict(data)
     for name, value in data.items():
         check = _CHECKS.get(name)

@@ -33,15 +33,39 @@ STOP_REASONS = ("nonfinite", "policy", "operator")
 ORIGINS = ("policy", "operator")
 """who issued a stop command"""
 
+# --- who may say what ------------------------------------------------------------------------
+ROLES = ("rank", "operator")
+"""whose credential authenticated a message: ``rank`` (NANGUARD_TOKEN) or ``operator``
+(NANGUARD_OPERATOR_TOKEN, which ranks never hold)"""
+
 # --- dropped messages -------------------------------------------------------------------------
-WIRE_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema")
-"""why a message failed to decode (``ProtocolError.reason``)"""
-BAD_MESSAGE_REASONS = WIRE_REASONS + ("wrong_job", "unexpected")
-"""why the coordinator dropped a message: a wire reason, a message of another job than its own,
-or a type that does not travel to the coordinator (``nanguard_bad_message_reasons_total``)"""
+WIRE_REASONS = ("oversized", "malformed", "version", "unauthenticated", "replayed", "stale", "schema",
+                "instance")
+"""why a message failed to decode (``ProtocolError.reason``); ``instance``: addressed to another
+session (an earlier coordinator instance, another coordinator, another process), or to nobody"""
+BAD_MESSAGE_REASONS = WIRE_REASONS + ("wrong_job", "unexpected", "unregistered", "forbidden",
+                                      "out_of_range", "internal")
+"""why the coordinator dropped a message (``nanguard_bad_message_reasons_total``): a wire reason;
+``wrong_job``: another job (or another incarnation of it) while the current one has ranks alive;
+``unexpected``: a type that does not travel to the coordinator; ``unregistered``: a rank message
+from a process that has not said hello to this instance; ``forbidden``: a request the sender's
+credential does not allow (a stop without the operator token); ``out_of_range``: a rank outside
+its job's world size, or a world size over the coordinator's limit; ``internal``: the coordinator
+failed on it (a bug, logged with its traceback)"""
 
 # --- who a rank is (the body of its ``hello``) -------------------------------------------------
 IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
+
+# --- CurveZMQ keys (curve.py) ----------------------------------------------------------------
+_Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
+
+def check_curve_key(text: object, name: str) -> str:
+    """``text`` when it is a Z85-encoded CurveZMQ key (40 characters); else ValueError naming ``name``."""
+    if not isinstance(text, str) or not _Z85_KEY.fullmatch(text):
+        raise ValueError(f"{name} must be a CurveZMQ key: 40 characters of Z85 text, as `nanguard keys` prints")
+    return text
+
 
 # --- addresses --------------------------------------------------------------------------------
 _TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5}|\*)")

@@ -4,16 +4,24 @@ The coordinator binds one ZeroMQ ROUTER socket; ranks and operator commands conn
 sockets. A message is one or two frames: ``[payload]`` without a token, ``[payload, mac]`` with
 one, where ``payload`` is compact JSON (one line) of the envelope
 
-    {"v": 1, "type": str, "sender": str, "seq": int, "time": float, "body": {...}}
+    {"v": 2, "type": str, "sender": str, "seq": int, "time": float, "to": str, "body": {...}}
 
-and ``mac`` the raw HMAC-SHA256 of ``payload`` under the shared token. ``sender`` is unique per
-process incarnation and ``seq`` grows by one per message of a sender, so ``ReplayFilter`` can
-refuse a message seen before. Which way each type travels:
+and ``mac`` the raw HMAC-SHA256 of ``payload`` under the sender's credential: NANGUARD_TOKEN for
+ranks, NANGUARD_OPERATOR_TOKEN for operators (``Message.role`` says which one verified it).
+``sender`` names one session: it is unique per process and socket (the coordinator's is its
+instance id), and ``seq`` grows by one per message of a sender, so ``ReplayFilter`` can refuse a
+message seen before. ``to`` names the session the message is for, and a receiver refuses any
+message not addressed to it (reason ``instance``): a captured message cannot be played to another
+coordinator, to the same one after a restart, or to another rank. Only a ``handshake`` goes to
+nobody (``to`` is empty); its ``welcome`` tells the sender the coordinator's instance id. Which
+way each type travels:
 
-    rank -> coordinator       hello, heartbeat, events, captured, stopped, ack, bye
-    coordinator -> rank       stop
-    operator -> coordinator   status_request, stop_request
-    coordinator -> operator   status, stop_accepted
+    rank -> coordinator       handshake, hello, heartbeat, events, captured, stopped, ack, bye
+    coordinator -> rank       welcome, stop
+    operator -> coordinator   handshake, status_request, stop_request
+    coordinator -> operator   welcome, status, stop_accepted, refused
+
+Version 1 had no ``to``, one token for everyone and a ``bye`` without ``clean``.
 
 Every body is checked against its schema on decode; anything else is a ``ProtocolError`` whose
 ``reason`` (one of ``protocol.WIRE_REASONS``) says which check failed. Nothing here imports torch.
@@ -25,6 +33,7 @@ import hmac
 import itertools
 import json
 import math
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ProtocolError
-from .events import event_values
-from .protocol import IDENTITY_FIELDS, ORIGINS, POLICIES, STOP_REASONS
+from .events import event_values, shown
+from .protocol import IDENTITY_FIELDS, ORIGINS, POLICIES, ROLES, STOP_REASONS
 
-VERSION = 1
+VERSION = 2
 MAX_BYTES = 64 * 1024
 """the largest payload of any message but ``status``"""
 MAX_STATUS_BYTES = 32 * 1024 * 1024
@@ -45,16 +54,27 @@ MAX_EVENTS = 256
 MAX_RANK = 1 << 20
 """ranks are below this; world sizes at most this"""
 
-_ENVELOPE = frozenset(("v", "type", "sender", "seq", "time", "body"))
+_ENVELOPE = frozenset(("v", "type", "sender", "seq", "time", "to", "body"))
 _MAX_SENDER = 256
 _MAX_SEQ = (1 << 63) - 1
+_FLOAT_MAX = int(sys.float_info.max)
 
 Check = Callable[[Any], Any]
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = shown(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a JSON number or not finite: an
+    integer of 400 digits is a JSON number that no float holds (float() raises OverflowError)."""
+    if value.__class__ is float:
+        return value if math.isfinite(value) else None
+    if value.__class__ is int:
+        return float(value) if -_FLOAT_MAX <= value <= _FLOAT_MAX else None
+    return None
 
 
 # --- body schemas ---------------------------------------------------------------------------
@@ -83,11 +103,12 @@ def _text(max_len: int, choices: Sequence[str] | None = None) -> Check:
 def _number(lo: float, hi: float, *, nonfinite: bool = False) -> Check:
     """A JSON number in [lo, hi]; with ``nonfinite`` also "nan", "inf", "-inf" (as floats)."""
     def check(value: Any) -> float:
-        if nonfinite and value in ("nan", "inf", "-inf"):
+        if nonfinite and value.__class__ is str and value in ("nan", "inf", "-inf"):
             return float(value)
-        if value.__class__ not in (int, float) or not lo <= value <= hi:
+        number = _finite(value)
+        if number is None or not lo <= number <= hi:
             raise ValueError(f": expected a number in [{lo:g}, {hi:g}], got {_short(value)}")
-        return float(value)
+        return number
     return check
 
 
@@ -174,7 +195,7 @@ _STATUS_RANK = _object({
     "rank": _RANK, "host": _HOST, "pid": _optional(_PID), "world_size": _optional(_WORLD),
     "step": _optional(_COUNT), "step_time_s": _optional(_SECONDS), "grad_norm": _GRAD_NORM,
     "last_seen": _TIMESTAMP, "alive": _boolean, "stalled": _boolean, "finished": _boolean,
-    "events": _COUNT, "dropped": _COUNT,
+    "failed": _boolean, "events": _COUNT, "dropped": _COUNT,
 })
 _STOP_STATE = _object({
     "command_id": _COMMAND_ID, "origin": _text(16, ORIGINS), "reason": _REASON, "time": _TIMESTAMP,
@@ -182,6 +203,9 @@ _STOP_STATE = _object({
 })
 
 SCHEMAS: dict[str, Check] = {
+    # rank or operator -> coordinator, and its answer
+    "handshake": _object({}),
+    "welcome": _object({"handshake_seq": _COUNT}),
     # rank -> coordinator
     "hello": _object(dict(zip(IDENTITY_FIELDS, (_RANK, _RANK, _WORLD, _HOST, _PID, _JOB, _text(64),
                                                  _text(64))))),
@@ -194,7 +218,7 @@ SCHEMAS: dict[str, Check] = {
     "stopped": _object({"rank": _RANK, "job": _JOB, "step": _COUNT,
                         "reason": _text(16, STOP_REASONS)}),
     "ack": _object({"rank": _RANK, "command_id": _COMMAND_ID}),
-    "bye": _object({"rank": _RANK, "job": _JOB}),
+    "bye": _object({"rank": _RANK, "job": _JOB, "clean": _boolean}),
     # coordinator -> rank
     "stop": _object({"command_id": _COMMAND_ID, "reason": _REASON, "origin": _text(16, ORIGINS)}),
     # operator <-> coordinator
@@ -203,6 +227,7 @@ SCHEMAS: dict[str, Check] = {
                        "stop": _optional(_STOP_STATE)}),
     "stop_request": _object({"reason": _REASON}),
     "stop_accepted": _object({"command_id": _COMMAND_ID, "existing": _boolean}),
+    "refused": _object({"reason": _REASON}),
 }
 TYPES = tuple(SCHEMAS)
 
@@ -235,9 +260,14 @@ class Message:
     seq: int
     time: float
     """the sender's clock when it encoded the message (seconds since the epoch)"""
+    to: str
+    """the session it was sent to: the receiver's own ``sender`` name, or "" (a handshake)"""
     body: dict[str, Any]
     payload: bytes
     """the payload as received: compact JSON, one line (what the coordinator logs)"""
+    role: str | None = None
+    """whose credential verified the MAC (``protocol.ROLES``), or None: no MAC, as no
+    NANGUARD_TOKEN is configured on this side"""
 
 
 def _reject_constant(name: str) -> Any:
@@ -245,40 +275,61 @@ def _reject_constant(name: str) -> Any:
 
 
 class Codec:
-    """Encodes and decodes the messages of one sender; one per thread (``seq`` is its own).
+    """Encodes and decodes the messages of one session; one per thread (``seq`` is its own).
 
-    ``token``: the shared secret, or None for no MAC. ``max_bytes``: the largest payload
+    ``sender``: this session's name, unique per process and socket (messages to it must name it
+    in ``to``). ``token``: NANGUARD_TOKEN, the ranks' credential, or None: then messages without
+    a MAC are accepted. ``operator_token``: NANGUARD_OPERATOR_TOKEN, or None. A message is signed
+    with the key of ``role`` (by default the operator's when this side holds one, else the
+    ranks'), and a MAC is verified against every key held; ``max_bytes``: the largest payload
     ``decode`` accepts and ``encode`` produces (``status`` may always reach MAX_STATUS_BYTES);
     operator commands raise it to read a ``status`` of many ranks.
     """
 
-    def __init__(self, sender: str, token: str | None, *, max_bytes: int = MAX_BYTES):
+    def __init__(self, sender: str, token: str | None = None, *, operator_token: str | None = None,
+                 max_bytes: int = MAX_BYTES):
         if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
             raise ValueError(f"sender must be a string of 1 to {_MAX_SENDER} characters, got {_short(sender)}")
+        if token and token == operator_token:
+            raise ValueError("NANGUARD_OPERATOR_TOKEN must differ from NANGUARD_TOKEN: ranks hold the one, "
+                             "only operators the other")
         self.sender = sender
         self.max_bytes = max_bytes
-        self._key = token.encode() if token else None
+        self._keys = {role: key.encode() for role, key in zip(ROLES, (token, operator_token)) if key}
+        self.role = "operator" if operator_token else "rank"
+        """whose key signs by default"""
         self._seq = itertools.count(1)
+        self.last_seq = 0
+        """the seq of the last message encoded"""
         self._sender_json = json.dumps(sender)
 
-    def encode(self, type_: str, body: dict[str, Any]) -> list[bytes]:
-        """Frames of one message; ``body`` must already hold only JSON values (``json_float``)."""
-        return self.encode_json(type_, json.dumps(body, separators=(",", ":"), allow_nan=False))
+    def holds(self, role: str) -> bool:
+        """Whether this side holds the credential of ``role``."""
+        return role in self._keys
 
-    def encode_json(self, type_: str, body_json: str) -> list[bytes]:
+    def encode(self, type_: str, body: dict[str, Any], *, to: str, role: str | None = None) -> list[bytes]:
+        """Frames of one message to the session ``to`` ("" for a handshake only), signed as
+        ``role``; ``body`` must already hold only JSON values (``json_float``)."""
+        return self.encode_json(type_, json.dumps(body, separators=(",", ":"), allow_nan=False), to=to,
+                                role=role)
+
+    def encode_json(self, type_: str, body_json: str, *, to: str, role: str | None = None) -> list[bytes]:
         """As ``encode``, with the body already serialised: a sender that sends the same body to
-        many peers (the coordinator's stop) or again and again serialises it once."""
+        many peers (the coordinator's stop) serialises it once."""
         if type_ not in SCHEMAS:
             raise ValueError(f"unknown message type {type_!r}; known: {', '.join(TYPES)}")
+        self.last_seq = next(self._seq)
         payload = (f'{{"v":{VERSION},"type":"{type_}","sender":{self._sender_json},'
-                   f'"seq":{next(self._seq)},"time":{time.time()!r},"body":{body_json}}}').encode()
+                   f'"seq":{self.last_seq},"time":{time.time()!r},"to":{json.dumps(to)},'
+                   f'"body":{body_json}}}').encode()
         limit = MAX_STATUS_BYTES if type_ == "status" else self.max_bytes
         if len(payload) > limit:
             raise ProtocolError(f"a {type_} message of {len(payload)} bytes is over the limit of "
                                 f"{limit}; it was not sent", reason="oversized")
-        if self._key is None:
+        key = self._keys.get(role or self.role)
+        if key is None:
             return [payload]
-        return [payload, hmac.digest(self._key, payload, "sha256")]
+        return [payload, hmac.digest(key, payload, "sha256")]
 
     def decode(self, frames: Sequence[bytes]) -> Message:
         """Check and decode the frames of one message; raises ProtocolError (see ``protocol.WIRE_REASONS``)."""
@@ -290,7 +341,7 @@ class Codec:
                                 reason="oversized")
         if not payload:
             raise ProtocolError("empty payload")
-        self._authenticate(payload, frames)
+        role = self._authenticate(payload, frames)
         try:
             data = json.loads(payload, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -302,33 +353,48 @@ class Codec:
             raise ProtocolError(f"protocol version {_short(version)} is not supported (this side "
                                 f"speaks {VERSION})", reason="version")
         if data.keys() != _ENVELOPE:
-            raise ProtocolError(f"envelope fields are {sorted(map(str, data))[:8]}, expected "
-                                f"{sorted(_ENVELOPE)}")
-        type_, sender, seq, sent = data["type"], data["sender"], data["seq"], data["time"]
+            raise ProtocolError(f"envelope fields are {sorted(data)[:8]}, expected {sorted(_ENVELOPE)}")
+        message = self._envelope(data, payload, role)
+        if message.to != self.sender and not (message.to == "" and message.type == "handshake"):
+            raise ProtocolError(f"a {message.type} message from {message.sender} is addressed to "
+                                f"{_short(message.to) if message.to else 'nobody'}, not to {self.sender} "
+                                "(an earlier instance, another coordinator or another process)",
+                                reason="instance")
+        return message
+
+    @staticmethod
+    def _envelope(data: dict[str, Any], payload: bytes, role: str | None) -> Message:
+        type_, sender, seq, sent, to = data["type"], data["sender"], data["seq"], data["time"], data["to"]
         if not isinstance(type_, str):
             raise ProtocolError(f"message type {_short(type_)} is not a string")
         if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
             raise ProtocolError(f"sender {_short(sender)} is not a string of 1 to {_MAX_SENDER} characters")
         if seq.__class__ is not int or not 0 <= seq <= _MAX_SEQ:
             raise ProtocolError(f"seq {_short(seq)} is not a non-negative integer")
-        if sent.__class__ not in (int, float) or not math.isfinite(sent):
+        when = _finite(sent)
+        if when is None:
             raise ProtocolError(f"time {_short(sent)} is not a finite number")
+        if not isinstance(to, str) or len(to) > _MAX_SENDER:
+            raise ProtocolError(f"to {_short(to)} is not a string of at most {_MAX_SENDER} characters")
         body = check_body(type_, data["body"])
-        return Message(type_, sender, seq, float(sent), body, payload)
+        return Message(type_, sender, seq, when, to, body, payload, role)
 
-    def _authenticate(self, payload: bytes, frames: Sequence[bytes]) -> None:
-        if self._key is None:
-            if len(frames) == 2:
-                raise ProtocolError("message carries a MAC but no token is configured here "
-                                    "(set the same NANGUARD_TOKEN on both sides)", reason="unauthenticated")
-            return
+    def _authenticate(self, payload: bytes, frames: Sequence[bytes]) -> str | None:
+        """The role whose key made the MAC, or None for no MAC where ranks need no token."""
         if len(frames) == 1:
-            raise ProtocolError("message has no MAC but a token is configured here "
+            if "rank" in self._keys:
+                raise ProtocolError("message has no MAC but a token is configured here "
+                                    "(set the same NANGUARD_TOKEN on both sides)", reason="unauthenticated")
+            return None
+        if not self._keys:
+            raise ProtocolError("message carries a MAC but no token is configured here "
                                 "(set the same NANGUARD_TOKEN on both sides)", reason="unauthenticated")
-        expected = hmac.digest(self._key, payload, "sha256")
-        if not hmac.compare_digest(expected, bytes(frames[1])):
-            raise ProtocolError("message MAC does not match (a different NANGUARD_TOKEN, or a "
-                                "tampered message)", reason="unauthenticated")
+        mac = bytes(frames[1])
+        for role, key in self._keys.items():
+            if hmac.compare_digest(hmac.digest(key, payload, "sha256"), mac):
+                return role
+        raise ProtocolError("message MAC does not match (a different NANGUARD_TOKEN or "
+                            "NANGUARD_OPERATOR_TOKEN, or a tampered message)", reason="unauthenticated")
 
 
 class ReplayFilter:

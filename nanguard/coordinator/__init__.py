@@ -1,10 +1,13 @@
 """The coordinator daemon: one per job, beside the ranks. It never imports torch nor the rank side.
 
-    server.py    Coordinator: the ROUTER socket loop; decodes each message and hands it to its handler
-    ranks.py     RankTable: the job served, its ranks, who is alive, dead or stalled (monotonic clock)
+    server.py    Coordinator: the ROUTER socket loop; decodes each message, counts the bad ones
+    handlers.py  Handlers: what each message does, and who may send it (ranks, operators)
+    ranks.py     RankTable: the job incarnation served, its ranks bound to their sessions, who is
+                 alive, dead, failed or stalled (monotonic clock)
     stop.py      StopFanout: the job's one stop command, sent to every rank until it acks
     eventlog.py  EventLog: every accepted message as a JSON line, and the thread that fsyncs them
-    clock.py     Instant: the wall clock (shown, logged) and the monotonic one (durations), read together
+    clock.py     Instant: the wall clock (shown, logged) and the monotonic one (durations), read
+                 together; LoopClock leaves out the time the process did not run
     policy.py    Policy: when the job stops (pure: no I/O, no clock)
     metrics.py   Metrics: the Prometheus series, and the HTTP endpoint that serves them
     control.py   request(): one operator request and its reply (``nanguard status`` / ``stop``)

@@ -1,9 +1,14 @@
-"""``nanguard coordinator``: run the daemon until SIGTERM or SIGINT."""
+"""``nanguard coordinator``: run the daemon until SIGTERM or SIGINT.
+
+With no option at all it serves on loopback (tcp://127.0.0.1:5555, /metrics on 127.0.0.1:9464),
+logging to ./nanguard-coordinator.jsonl: a new user's first command works as it is.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -15,7 +20,10 @@ from ..errors import ConfigError
 from ..protocol import KINDS, parse_address
 from .metrics import MetricsServer
 from .policy import Policy
+from .ranks import DEFAULT_MAX_WORLD_SIZE
 from .server import Coordinator
+
+DEFAULT_LOG = "nanguard-coordinator.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="port of the Prometheus /metrics endpoint; 0 picks a free one (default %(default)s)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="address the metrics endpoint listens on (0.0.0.0: all; default %(default)s)")
-    parser.add_argument("--log", required=True, help="JSON-lines file every accepted message is appended to")
+                        help="address the metrics endpoint listens on; /metrics has no authentication, so "
+                             "keep it on a private interface (default %(default)s)")
+    parser.add_argument("--log", default=DEFAULT_LOG,
+                        help="JSON-lines file every accepted message is appended to (default: "
+                             "%(default)s in the working directory)")
     parser.add_argument("--job", help="serve only this job id (default: the first one a rank names)")
+    parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE,
+                        help="refuse jobs of more ranks than this (default %(default)s)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow a non-loopback --bind without NANGUARD_TOKEN (anyone who can reach "
-                             "the port can then stop the job)")
+                             "the port can then act as a rank, and without NANGUARD_OPERATOR_TOKEN stop the "
+                             "job)")
     parser.add_argument("--stop-after", type=int, default=1,
                         help="stop after non-finite values in this many distinct steps (default 1: the first)")
     parser.add_argument("--window-s", type=float, default=60.0,
@@ -57,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
-        token = setting_from_env("token")
+        token, operator_token, curve_secret_key = (setting_from_env(name) for name in
+                                                   ("token", "operator_token", "curve_secret_key"))
         warn_kinds = tuple(k.strip() for k in args.warn_kinds.split(",") if k.strip())
         policy = Policy(warn_kinds=warn_kinds, stop_after=args.stop_after, window_s=args.window_s,
                         ignore_skipped=not args.count_skipped)
@@ -73,10 +88,13 @@ def run(args: argparse.Namespace) -> int:
     # two I/O threads: a stop to a thousand ranks is a thousand TCP writes (a bare ZeroMQ
     # fan-out to 1,024 local DEALERs on 2 cores took ~30 ms with two, ~35-50 ms with one)
     context = zmq.Context(io_threads=2)
+    log_path = os.path.abspath(args.log)
     try:
-        coordinator = Coordinator(args.bind, token=token, registry=registry, log_path=args.log,
-                                  policy=policy, job=args.job, dead_after_s=args.dead_after_s,
-                                  stall_after_s=args.stall_after_s, context=context)
+        coordinator = Coordinator(args.bind, token=token, operator_token=operator_token,
+                                  curve_secret_key=curve_secret_key, registry=registry, log_path=log_path,
+                                  policy=policy, job=args.job, max_world_size=args.max_world_size,
+                                  dead_after_s=args.dead_after_s, stall_after_s=args.stall_after_s,
+                                  context=context)
     except ValueError as exc:
         print(f"nanguard coordinator: {exc}; not started", file=sys.stderr)
         return 2
@@ -92,12 +110,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanguard coordinator: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
               f"{exc}; stopped", file=sys.stderr)
         return 1
+    _warn_about_access(token, operator_token, args.metrics_host)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: coordinator.shutdown())
-    print(f"nanguard coordinator ready bind={coordinator.address} metrics={metrics.url} log={args.log}",
+    print(f"nanguard coordinator ready bind={coordinator.address} metrics={metrics.url} log={log_path}",
           flush=True)
     try:
-        coordinator.serve_forever()
+        return coordinator.serve_forever()
     finally:
         metrics.close()
-    return 0
+
+
+def _warn_about_access(token: str | None, operator_token: str | None, metrics_host: str) -> None:
+    """Say at start who can do what with the secrets given (README, Security)."""
+    log = logging.getLogger("nanguard.coordinator")
+    if operator_token is None and token is not None:
+        log.warning("no NANGUARD_OPERATOR_TOKEN: `nanguard stop` is refused (stopping a job needs the "
+                    "operator credential, which ranks never hold); `nanguard status` works with NANGUARD_TOKEN")
+    elif operator_token is None:
+        log.warning("no NANGUARD_TOKEN nor NANGUARD_OPERATOR_TOKEN: whoever reaches the port can act as a "
+                    "rank and stop the job")
+    if not is_loopback(f"tcp://[{metrics_host}]:1" if ":" in metrics_host else f"tcp://{metrics_host}:1"):
+        log.info("/metrics on %s has no authentication: keep that interface private", metrics_host)

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
 
 from ..protocol import BAD_MESSAGE_REASONS, STOP_KINDS, STOP_REASONS
+
 _MAX_INCIDENTS = 65536
 
 log = logging.getLogger("nanguard.coordinator")
@@ -49,7 +50,10 @@ class Metrics:
             "nanguard_events_dropped_total", "Events a rank dropped before sending (queue full)", ("rank",))
         self.ranks_alive = gauge("nanguard_ranks_alive", "Ranks heard from recently and not finished")
         self.ranks_registered = gauge("nanguard_ranks_registered", "Ranks known in the current job")
-        self.ranks_finished = gauge("nanguard_ranks_finished", "Ranks of the current job that said goodbye")
+        self.ranks_finished = gauge("nanguard_ranks_finished",
+                                    "Ranks of the current job that said a clean goodbye")
+        self.ranks_failed = gauge("nanguard_ranks_failed",
+                                  "Ranks of the current job whose process ended by an error (unclean goodbye)")
         self.ranks_stalled = gauge(
             "nanguard_ranks_stalled", "Alive ranks whose step has not advanced for the stall time")
         self.job_stopped = gauge("nanguard_job_stopped", "1 once the current job has stopped")
@@ -116,11 +120,12 @@ class Metrics:
         if increase:
             self.events_dropped.labels(str(rank)).inc(increase)
 
-    def ranks(self, *, registered: int, alive: int, stalled: int, finished: int = 0) -> None:
+    def ranks(self, *, registered: int, alive: int, stalled: int, finished: int = 0, failed: int = 0) -> None:
         self.ranks_registered.set(registered)
         self.ranks_alive.set(alive)
         self.ranks_stalled.set(stalled)
         self.ranks_finished.set(finished)
+        self.ranks_failed.set(failed)
 
     def new_job(self, ranks: list[int]) -> None:
         """Forget the per-rank gauges of the last job (counters keep counting across jobs)."""

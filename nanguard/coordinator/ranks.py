@@ -1,15 +1,23 @@
-"""The rank table: the job the coordinator serves, its ranks, and which of them are alive.
+"""The rank table: the job incarnation the coordinator serves, its ranks, and which are alive.
 
-A rank is registered by any message that names its job (``REGISTERING``), not only ``hello``:
-after a coordinator restart, ranks do not say hello again. The first job named is taken, unless
-one was pinned. A message of another job is refused while any rank of the current job is alive
-and not finished; once every rank is dead or has said ``bye``, the new job replaces the old one
-(never when the job is pinned).
+A rank is registered by its ``hello`` only, which the rank's client sends on every new connection
+(after the coordinator's ``welcome`` told it the instance to address): the hello binds the rank
+number to the session that sent it (``Message.sender``), and every later message naming that rank
+must come from that session (else it is refused as ``unregistered``). A restarted rank process is
+a new session: its hello takes the rank over.
 
-A rank is dead after ``dead_after_s`` without a message, and stalled when it is alive but its
-step has not moved for ``stall_after_s``. Both durations are measured on the monotonic clock:
-setting the wall clock must not kill or stall a whole job. What people read (``last_seen`` in a
-``status`` reply, ``nanguard_rank_last_seen_timestamp_seconds``) stays a wall-clock time.
+The first hello names the job incarnation: its job id and world size (at most
+``max_world_size``); ranks outside the world size are refused (``out_of_range``). A hello of another
+job, or of the same job with another world size, is refused (``wrong_job``) while any rank of the
+current incarnation is alive and not finished; once every rank is dead, failed or finished, it
+starts the next incarnation (the job id never changes when it was pinned).
+
+A rank is dead after ``dead_after_s`` without a message, failed at once when it says an unclean
+``bye`` (its process ended by an error), finished after a clean ``bye``, and stalled when it is
+alive but its step has not moved for ``stall_after_s``. Durations are measured on the loop's
+monotonic clock (``clock.LoopClock``: setting the wall clock or pausing the coordinator must not
+kill or stall a whole job); what people read (``last_seen``,
+``nanguard_rank_last_seen_timestamp_seconds``) stays a wall-clock time.
 """
 
 from __future__ import annotations
@@ -17,22 +25,29 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from ..errors import ProtocolError
 from ..events import json_float
 from .clock import Instant, require_positive
 from .metrics import Metrics
 
 log = logging.getLogger("nanguard.coordinator")
 
-REGISTERING = frozenset(("hello", "heartbeat", "events", "captured", "stopped"))
-"""message types (rank -> coordinator) that name a job and register their rank"""
+DEFAULT_MAX_WORLD_SIZE = 16384
+"""the most ranks one job may have unless the coordinator is told otherwise: a scrape and a
+status reply grow with the ranks (about 5 MiB of /metrics at this size)"""
 
 
 @dataclass(slots=True)
 class RankState:
     rank: int
     routing_id: bytes
+    """the ZeroMQ route of the rank's current connection (assigned by the ROUTER, never chosen by
+    the peer)"""
+    sender: str
+    """the session (``Message.sender``) whose hello registered this rank: the only one that speaks
+    for it"""
     host: str = ""
     pid: int | None = None
     world_size: int | None = None
@@ -48,6 +63,9 @@ class RankState:
     alive: bool = True
     stalled: bool = False
     finished: bool = False
+    """said a clean ``bye``"""
+    failed: bool = False
+    """said an unclean ``bye``: its process ended by an error (or was torn down after a peer's)"""
     events: int = 0
     dropped: int = 0
 
@@ -57,40 +75,59 @@ class RankState:
                 "step": self.step, "step_time_s": self.step_time_s,
                 "grad_norm": json_float(self.grad_norm), "last_seen": self.last_seen,
                 "alive": self.alive, "stalled": self.stalled, "finished": self.finished,
-                "events": self.events, "dropped": self.dropped}
+                "failed": self.failed, "events": self.events, "dropped": self.dropped}
 
 
 class Admission(enum.Enum):
-    """What ``RankTable.admit`` made of the job a message names."""
+    """What a ``hello`` made of the job incarnation it names."""
 
     ACCEPTED = "accepted"
     NEW_JOB = "new_job"
-    """the last job is over and this one replaced it: the table is empty, and whatever else
-    belonged to the last job (its stop, the policy's memory) must be forgotten too"""
-    REFUSED = "refused"
+    """the last incarnation is over and this one replaced it: the table is empty, and whatever else
+    belonged to the last one (its stop, the policy's memory) must be forgotten too"""
+
+
+class Hello(NamedTuple):
+    """What a registering ``hello`` did."""
+
+    state: RankState
+    new_session: bool
+    """a rank number never seen in this incarnation, or a new process for it"""
+    admission: Admission
 
 
 class RankTable:
-    """The ranks of the job being served, keyed by rank number; owns the per-rank metrics.
+    """The ranks of the job incarnation being served, keyed by rank number; owns the per-rank
+    metrics.
 
-    ``job``: pins the job id (else the first one named is taken). Times come in as ``Instant``s,
-    so tests drive both clocks.
+    ``job``: pins the job id (else the first one named is taken). ``max_world_size``: the largest
+    world size a hello may declare. Times come in as ``Instant``s, so tests drive both clocks.
     """
 
-    def __init__(self, metrics: Metrics, *, job: str | None = None, dead_after_s: float = 15.0,
+    def __init__(self, metrics: Metrics, *, job: str | None = None,
+                 max_world_size: int = DEFAULT_MAX_WORLD_SIZE, dead_after_s: float = 15.0,
                  stall_after_s: float = 300.0):
         require_positive(dead_after_s=dead_after_s, stall_after_s=stall_after_s)
+        if isinstance(max_world_size, bool) or not isinstance(max_world_size, int) or max_world_size < 1:
+            raise ValueError(f"max_world_size={max_world_size!r} must be a positive integer")
         self.metrics = metrics
         self.dead_after_s = dead_after_s
         self.stall_after_s = stall_after_s
+        self.max_world_size = max_world_size
         self._job = job
         self._pinned = job is not None
+        self._world_size: int | None = None
         self._ranks: dict[int, RankState] = {}
 
     @property
     def job(self) -> str | None:
-        """the job served, or None before the first registering message of an unpinned table"""
+        """the job served, or None before the first hello of an unpinned table"""
         return self._job
+
+    @property
+    def world_size(self) -> int | None:
+        """the world size of the incarnation served, or None before its first hello"""
+        return self._world_size
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -98,44 +135,71 @@ class RankTable:
     def __contains__(self, rank: object) -> bool:
         return rank in self._ranks
 
-    def admit(self, job: str) -> Admission:
-        """Whether a registering message of ``job`` is served; may start a new job."""
-        if self._job is None:
-            self._job = job
-            log.info("job %s", job)
+    def hello(self, sender: str, routing_id: bytes, body: dict[str, Any], at: Instant) -> Hello:
+        """A rank's hello: admit its job incarnation, bind the rank to ``sender``. Raises
+        ProtocolError (``wrong_job``, ``out_of_range``) when it is refused; nothing changes then."""
+        rank, world_size = body["rank"], body["world_size"]
+        if world_size > self.max_world_size:
+            raise ProtocolError(f"hello of rank {rank} declares a world size of {world_size}, over this "
+                                f"coordinator's --max-world-size {self.max_world_size}", reason="out_of_range")
+        if rank >= world_size:
+            raise ProtocolError(f"hello of rank {rank} in a world of {world_size}", reason="out_of_range")
+        admission = self._admit(body["job"], world_size)
+        state = self._ranks.get(rank)
+        new_session = state is None or state.sender != sender
+        if state is None:
+            state = self._ranks[rank] = RankState(rank, routing_id, sender, step_changed_at=at.mono)
+            log.info("rank %d registered (%d of %d known)", rank, len(self._ranks), world_size)
+        elif new_session:
+            log.info("rank %d is a new process (pid %s on %s, was pid %s)", rank, body["pid"], body["host"],
+                     state.pid)
+            state.sender = sender
+        state.host, state.pid, state.world_size = body["host"], body["pid"], world_size
+        state.finished = state.failed = False
+        self.seen(state, routing_id, at)
+        return Hello(state, new_session, admission)
+
+    def _admit(self, job: str, world_size: int) -> Admission:
+        if self._world_size is None and (self._job is None or job == self._job):
+            self._job, self._world_size = job, world_size
+            log.info("job %s, world size %d", job, world_size)
             return Admission.ACCEPTED
-        if job == self._job:
+        if job == self._job and world_size == self._world_size:
             return Admission.ACCEPTED
-        if self._pinned or not all(r.finished or not r.alive for r in self._ranks.values()):
-            return Admission.REFUSED
-        log.info("job %s ended (every rank dead or finished); job %s starts", self._job, job)
+        if self._pinned and job != self._job:
+            raise ProtocolError(f"hello of job {job!r}, but this coordinator serves only job {self._job!r}",
+                                reason="wrong_job")
+        if not all(r.finished or r.failed or not r.alive for r in self._ranks.values()):
+            raise ProtocolError(f"hello of job {job!r} with world size {world_size}, but this coordinator "
+                                f"serves job {self._job!r} of world size {self._world_size} and it still has "
+                                "ranks alive", reason="wrong_job")
+        log.info("job %s (world size %s) ended: every rank dead, failed or finished; job %s of world size "
+                 "%d starts", self._job, self._world_size, job, world_size)
         self.metrics.new_job(list(self._ranks))
         self._ranks.clear()
-        self._job = job
+        self._job, self._world_size = job, world_size
         return Admission.NEW_JOB
 
-    def seen(self, rank: int, routing_id: bytes, at: Instant) -> tuple[RankState, bool]:
-        """The rank's state, marked alive and seen at ``at``; True when it was registered now."""
+    def speaker(self, rank: int, sender: str) -> RankState:
+        """The state of ``rank`` when ``sender`` is the session registered for it; else raises
+        ProtocolError(``unregistered``): a message for a rank must follow that process's hello."""
         state = self._ranks.get(rank)
-        registered = state is None
-        if registered:
-            state = self._ranks[rank] = RankState(rank, routing_id, step_changed_at=at.mono)
-            log.info("rank %d registered (%d known)", rank, len(self._ranks))
-        elif not state.alive and not state.finished:
-            log.info("rank %d is back after %.0f s of silence", rank, at.mono - state.heard_at)
+        if state is None or state.sender != sender:
+            raise ProtocolError(f"a message for rank {rank} from {sender}, which did not say hello as "
+                                f"rank {rank} to this coordinator instance", reason="unregistered")
+        return state
+
+    def seen(self, state: RankState, routing_id: bytes, at: Instant) -> None:
+        """The rank is heard from at ``at``, over the connection ``routing_id``."""
+        if not state.alive and not state.finished and not state.failed:
+            log.info("rank %d is back after %.0f s of silence", state.rank, at.mono - state.heard_at)
         state.routing_id = routing_id
         state.last_seen, state.heard_at = at.wall, at.mono
-        state.alive = True
-        self.metrics.rank(rank, last_seen=at.wall)
-        return state, registered
-
-    def hello(self, state: RankState, body: dict[str, Any]) -> None:
-        """A ``hello`` (or the identity part of a heartbeat): a process is (again) running."""
-        state.host, state.pid, state.world_size = body["host"], body["pid"], body["world_size"]
-        state.finished = False
+        state.alive = not state.failed and not state.finished
+        self.metrics.rank(state.rank, last_seen=at.wall)
 
     def heartbeat(self, state: RankState, body: dict[str, Any], at: Instant) -> None:
-        self.hello(state, body)
+        state.host, state.pid = body["host"], body["pid"]
         if body["step"] != state.step:
             state.step, state.step_changed_at = body["step"], at.mono
         state.step_time_s, state.grad_norm = body["step_time_s"], body["grad_norm"]
@@ -144,32 +208,36 @@ class RankTable:
                           step_time_s=state.step_time_s, grad_norm=state.grad_norm)
         self.metrics.dropped(state.rank, state.dropped)
 
-    def bye(self, rank: int, routing_id: bytes, at: Instant) -> None:
-        """The rank finished; a ``bye`` of a rank never heard before changes nothing."""
-        if rank not in self._ranks:
-            return
-        state, _ = self.seen(rank, routing_id, at)
-        state.finished, state.alive = True, False
-        log.info("rank %d finished", rank)
+    def bye(self, state: RankState, clean: bool, at: Instant) -> None:
+        """The rank's process ends: cleanly (finished), or by an error (failed: not alive from now
+        on, without waiting ``dead_after_s``)."""
+        state.finished, state.failed, state.alive, state.stalled = clean, not clean, False, False
+        if clean:
+            log.info("rank %d finished", state.rank)
+        else:
+            log.warning("rank %d ended without a clean exit (an error ended its process, or it was torn "
+                        "down after another rank's failure): it is not alive from now on", state.rank)
 
     def unfinished(self) -> list[RankState]:
         """Registered ranks that have not said ``bye``: those a stop command goes to."""
-        return [state for state in self._ranks.values() if not state.finished]
+        return [state for state in self._ranks.values() if not state.finished and not state.failed]
 
     def tick(self, at: Instant) -> None:
         """Recompute who is alive and stalled, and the rank-count gauges."""
-        alive = stalled = finished = 0
+        alive = stalled = finished = failed = 0
         for state in self._ranks.values():
             was_alive = state.alive
             silent_s = at.mono - state.heard_at
-            state.alive = not state.finished and silent_s <= self.dead_after_s
+            state.alive = not state.finished and not state.failed and silent_s <= self.dead_after_s
             state.stalled = state.alive and at.mono - state.step_changed_at > self.stall_after_s
-            if was_alive and not state.alive and not state.finished:
+            if was_alive and not state.alive:
                 log.warning("rank %d is dead: nothing heard for %.0f s", state.rank, silent_s)
             alive += state.alive
             stalled += state.stalled
             finished += state.finished
-        self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled, finished=finished)
+            failed += state.failed
+        self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled, finished=finished,
+                           failed=failed)
 
     def status(self) -> list[dict[str, Any]]:
         """The ``ranks`` of a ``status`` reply, by rank number."""

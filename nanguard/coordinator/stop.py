@@ -6,13 +6,15 @@
 Whoever asks first (the policy, an operator, a rank's ``stopped`` report) begins the job's stop;
 it is counted once in ``nanguard_stops_total`` and later requests get the same command. It goes
 at once to every registered rank that has not said ``bye``, again every ``resend_s`` to those
-that have not acked (a message can be lost while a rank reconnects), and to every rank that
-registers later (a restarted rank must stop too). The socket stays the server's: sending is a
-function passed in.
+that have not acked (a message can be lost while a rank reconnects), and to every rank session
+that registers later (a restarted rank must stop too). Each copy is addressed to the session of
+its rank (``to``), so none can be played to another rank or a later run. The socket stays the
+server's: sending is a function passed in.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import secrets
@@ -27,10 +29,11 @@ from .ranks import RankState, RankTable
 
 log = logging.getLogger("nanguard.coordinator")
 
-Encode = Callable[[str, dict[str, Any]], list[bytes]]
-"""a message's frames from its type and body (``wire.Codec.encode``)"""
-SendToEach = Callable[[Sequence[bytes], list[bytes]], None]
-"""sends one message's frames to each of the routing ids"""
+Encode = Callable[[str, str, str], list[bytes]]
+"""a message's frames from its type, its body already serialised and the session it is for
+(``wire.Codec.encode_json`` signed with the ranks' key)"""
+Send = Callable[[Sequence[tuple[bytes, list[bytes]]]], None]
+"""sends each (routing id, frames) pair"""
 
 
 @dataclass(slots=True)
@@ -52,7 +55,7 @@ class StopCommand:
 class StopFanout:
     """The current job's stop command, if any, and who still has to ack it."""
 
-    def __init__(self, ranks: RankTable, metrics: Metrics, encode: Encode, send: SendToEach, *,
+    def __init__(self, ranks: RankTable, metrics: Metrics, encode: Encode, send: Send, *,
                  resend_s: float = 0.2):
         require_positive(resend_s=resend_s)
         self.resend_s = resend_s
@@ -62,7 +65,7 @@ class StopFanout:
         self._ranks = ranks
         self._metrics = metrics
         self._encode = encode
-        self._send_to_each = send
+        self._send_messages = send
 
     def begin(self, origin: str, reason: str, label: str, at: Instant) -> tuple[StopCommand, bool]:
         """The job's stop command, and True when this call made it (counted under ``label``
@@ -79,8 +82,10 @@ class StopFanout:
         return command, True
 
     def registered(self, state: RankState, at: Instant) -> None:
-        """A rank registered: it stops too if the job is stopping."""
+        """A rank session registered (a new rank, or a new process for one): it stops too if the
+        job is stopping, and until it acks itself, an earlier process's ack does not count."""
         if self.command is not None:
+            self.command.acked.discard(state.rank)
             self._send([state], at)
 
     def ack(self, rank: int, command_id: str) -> None:
@@ -110,7 +115,8 @@ class StopFanout:
         if not targets:
             return
         command = self.command
-        frames = self._encode("stop", {"command_id": command.command_id, "reason": command.reason,
-                                       "origin": command.origin})
-        self._send_to_each([state.routing_id for state in targets], frames)
+        body = json.dumps({"command_id": command.command_id, "reason": command.reason,
+                           "origin": command.origin}, separators=(",", ":"))
+        encode = self._encode
+        self._send_messages([(state.routing_id, encode("stop", body, state.sender)) for state in targets])
         self.next_resend = at.mono + self.resend_s

@@ -31,6 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def until(condition, what: str, timeout_s: float = 30.0, every_s: float = 0.1):
+    """Poll ``condition`` until it returns something true (returned); fail naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s")
+        time.sleep(every_s)
+    return value
+
+
 def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
     env.update(

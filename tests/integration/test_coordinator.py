@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from nanguard.client import Client
 from nanguard.coordinator.control import request
 from nanguard.events import Event
-from nanguard.wire import Codec
+from nanguard.coordinator.server import MAX_FRAME_BYTES
+from nanguard.wire import MAX_BYTES, Codec
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 30.0
@@ -265,36 +266,52 @@ def test_operator_stop_reaches_every_client(coordinators, clients):
     assert coordinator.metric("nanguard_stops_total", reason="operator") == 1
 
 
+def instance_of(sock: zmq.Socket, codec: Codec) -> str:
+    """The coordinator instance behind ``sock``, as a peer learns it: a handshake and its welcome."""
+    sock.send_multipart(codec.encode("handshake", {}, to=""))
+    assert sock.poll(DEADLINE_S * 1000), "no welcome"
+    return codec.decode(sock.recv_multipart()).sender
+
+
 def test_bad_messages_are_counted_and_change_nothing(coordinators, clients, raw_socket):
+    """Changed with wire version 2 (envelopes carry ``to``; an ack needs its rank's hello first)."""
     coordinator = coordinators()
     recorder = StopRecorder()
     clients(coordinator.address, 0, on_stop=recorder)
     wait_for(lambda: coordinator.status()["ranks"], "rank 0 registered")
     sock = raw_socket(coordinator.address)
     codec = Codec("attacker", None)
+    instance = instance_of(sock, codec)
 
     def envelope(**fields) -> bytes:
-        data = {"v": 1, "type": "ack", "sender": "attacker2", "seq": 1, "time": time.time(),
+        data = {"v": 2, "type": "ack", "sender": "attacker2", "seq": 1, "time": time.time(), "to": instance,
                 "body": {"rank": 9, "command_id": "x"}}
         data.update(fields)
         return json.dumps(data).encode()
 
-    replayed = codec.encode("ack", {"rank": 9, "command_id": "x"})
+    hello = codec.encode("hello", {"rank": 1, "local_rank": 1, "world_size": 4, "host": "h", "pid": 9,
+                                   "job": JOB, "device": "cpu", "version": "x"}, to=instance)
     sent = {
-        "malformed": [[b"garbage %d" % i] for i in range(200)] + [[b"{}", b"", b""], [b"[1]"]],
+        "malformed": [[b"garbage %d" % i] for i in range(200)] + [[b"{}", b"", b""], [b"[1]"],
+                                                                  [envelope(time=10**400)]],
         "oversized": [[b"x" * 100_000]],
         "unauthenticated": [[envelope(), b"m" * 32]],
-        "version": [[envelope(v=2)]],
+        "version": [[envelope(v=1)]],
         "stale": [[envelope(time=time.time() - 3600, sender="attacker3")]],
         "schema": [[envelope(body={"rank": -1, "command_id": "x"}, sender="attacker4")],
-                   [codec.encode("events", {"rank": 0, "job": JOB, "events": [{"kind": "forward"}]})[0]]],
-        "replayed": [replayed],
-        "unexpected": [codec.encode("stop", {"command_id": "x", "reason": "r", "origin": "operator"})],
-        "wrong_job": [codec.encode("heartbeat", {"rank": 5, "world_size": 8, "job": "another", "host": "h",
-                                                 "pid": 1, "step": 0, "step_time_s": None, "dropped": 0,
-                                                 "grad_norm": None})],
+                   [codec.encode("events", {"rank": 0, "job": JOB, "events": [{"kind": "forward"}]},
+                                 to=instance)[0]]],
+        "replayed": [hello],
+        "instance": [codec.encode("ack", {"rank": 0, "command_id": "x"}, to="coordinator@elsewhere"),
+                     codec.encode("ack", {"rank": 0, "command_id": "x"}, to="")],
+        "unregistered": [codec.encode("ack", {"rank": 0, "command_id": "x"}, to=instance)],
+        "unexpected": [codec.encode("stop", {"command_id": "x", "reason": "r", "origin": "operator"}, to=instance)],
+        "wrong_job": [codec.encode("hello", {"rank": 5, "local_rank": 0, "world_size": 8, "job": "another",
+                                             "host": "h", "pid": 1, "device": "cpu", "version": "x"}, to=instance)],
+        "out_of_range": [codec.encode("hello", {"rank": 4, "local_rank": 0, "world_size": 4, "job": JOB,
+                                                "host": "h", "pid": 1, "device": "cpu", "version": "x"}, to=instance)],
     }
-    sock.send_multipart(replayed)  # the first time it is fine (an ack of an unknown rank)
+    sock.send_multipart(hello)  # the first time it is fine: an open coordinator takes any rank's hello
     for messages in sent.values():
         for frames in messages:
             sock.send_multipart(frames)
@@ -307,11 +324,33 @@ def test_bad_messages_are_counted_and_change_nothing(coordinators, clients, raw_
     huge = raw_socket(coordinator.address)
     huge.send_multipart([b"y" * 4_000_000])
     # the coordinator is alive and well: no stop, and new ranks register
-    clients(coordinator.address, 1)
-    wait_for(lambda: len(coordinator.status()["ranks"]) == 2, "rank 1 registered after the flood")
+    clients(coordinator.address, 2)
+    wait_for(lambda: len(coordinator.status()["ranks"]) == 3, "rank 2 registered after the flood")
     assert coordinator.status()["stop"] is None and recorder.calls == []
     assert coordinator.metric("nanguard_job_stopped") == 0
     assert coordinator.metric("nanguard_bad_messages_total") == total
+    assert coordinator.proc.poll() is None
+
+
+def test_oversized_frames_are_counted_up_to_zeromqs_limit_and_above_it_end_their_connection(
+        coordinators, raw_socket):
+    """What the README says about oversized messages (wire.MAX_BYTES, server.MAX_FRAME_BYTES)."""
+    coordinator = coordinators()
+    sock = raw_socket(coordinator.address)
+    for size in (MAX_BYTES + 1, MAX_BYTES + 1000, MAX_FRAME_BYTES):
+        sock.send_multipart([b"x" * size])
+    wait_for(lambda: coordinator.metric("nanguard_bad_message_reasons_total", reason="oversized") == 3,
+             "three oversized frames counted")
+    # one byte over ZeroMQ's limit: the connection that carried it is closed before nanguard reads it
+    # (no memory spent); nothing is counted, and whatever else was in flight on it is lost with it
+    sock.send_multipart([b"y" * (MAX_FRAME_BYTES + 1)])
+    sock.send_multipart([b"lost with the connection"])
+    time.sleep(1.0)
+    assert coordinator.metric("nanguard_bad_messages_total") == 3
+    # the peer's ZeroMQ reconnects by itself; what it sends then is read (and counted) again
+    wait_for(lambda: sock.send_multipart([b"x" * (MAX_BYTES + 1)]) or
+             coordinator.metric("nanguard_bad_message_reasons_total", reason="oversized") >= 4,
+             "an oversized frame counted after the reconnect", every_s=0.5)
     assert coordinator.proc.poll() is None
 
 
@@ -339,6 +378,26 @@ def test_refuses_a_non_loopback_bind_without_a_token(tmp_path):
     assert not (tmp_path / "log.jsonl").exists()
 
 
+def test_without_log_the_log_is_in_the_working_directory_and_its_path_is_printed(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "nanguard", "coordinator", "--bind", "tcp://127.0.0.1:0",
+                             "--metrics-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=clean_env(), start_new_session=True, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("nanguard coordinator ready"), proc.stderr.read() if proc.poll() is not None else line
+        fields = dict(part.split("=", 1) for part in line.split()[3:])
+        assert fields["log"] == str(tmp_path / "nanguard-coordinator.jsonl")
+        assert (tmp_path / "nanguard-coordinator.jsonl").exists()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(DEADLINE_S) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_status_of_an_unreachable_coordinator(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     result = nanguard_cli("status", "--coordinator", address, "--timeout-s", "0.5")
@@ -357,9 +416,9 @@ def test_sigterm_exits_cleanly_with_a_complete_log(coordinators, clients):
     lines = coordinator.log.read_bytes().split(b"\n")
     assert lines[-1] == b""  # ends with a newline: no half-written line
     records = [json.loads(line) for line in lines[:-1]]
-    assert all(set(r) == {"received", "msg"} and r["msg"]["v"] == 1 for r in records)
+    assert all(set(r) == {"received", "msg"} and r["msg"]["v"] == 2 for r in records)
     types = [r["msg"]["type"] for r in records]
-    assert types[0] == "hello" and "heartbeat" in types
+    assert types[:2] == ["handshake", "hello"] and "heartbeat" in types
     assert sum(len(r["msg"]["body"]["events"]) for r in records if r["msg"]["type"] == "events") == 20
     assert "stopped; log" in coordinator.stderr()
 

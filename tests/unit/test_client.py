@@ -1,14 +1,16 @@
-"""The rank-side client against a bare ROUTER socket in this process (the test plays coordinator)."""
+"""The rank-side client against a bare ROUTER socket in this process (the test plays coordinator,
+answering handshakes as the real one does)."""
 
 import contextlib
+import json
 import threading
 import time
 
 import pytest
 import zmq
 
-from nanguard import Event
-from nanguard.client import Client
+from nanguard import Event, ProtocolError
+from nanguard.client import Client, Link
 from nanguard.wire import Codec
 
 IDENTITY = {"rank": 3, "local_rank": 1, "world_size": 4, "host": "node1", "pid": 4242, "job": "j",
@@ -24,16 +26,26 @@ class FakeCoordinator:
         self.address = f"tcp://127.0.0.1:{port}"
         self.codec = Codec("fake-coordinator", token)
         self.received = []
+        self.sessions = {}
+        """routing id of each session heard"""
+        self.welcome = True
 
     def receive(self, count=1, timeout_s=10.0):
-        """The next ``count`` messages as (routing id, Message), under one deadline."""
+        """The next ``count`` messages but handshakes (answered) as (routing id, Message), under one
+        deadline."""
         deadline = time.monotonic() + timeout_s
         out = []
         while len(out) < count:
             left = deadline - time.monotonic()
             assert left > 0 and self.sock.poll(left * 1000), f"got {len(out)} of {count} messages"
             identity, *frames = self.sock.recv_multipart()
-            out.append((identity, self.codec.decode(frames)))
+            message = self.codec.decode(frames)
+            self.sessions[message.sender] = identity
+            if message.type == "handshake" and self.welcome:
+                self.sock.send_multipart([identity, *self.codec.encode("welcome", {"handshake_seq": message.seq},
+                                                                       to=message.sender)])
+                continue
+            out.append((identity, message))
         self.received += out
         return out
 
@@ -44,8 +56,11 @@ class FakeCoordinator:
             if message.type == type_:
                 return identity, message
 
-    def send(self, identity, type_, body):
-        self.sock.send_multipart([identity, *self.codec.encode(type_, body)])
+    def send(self, identity, type_, body, to=None):
+        """To the session last heard on ``identity`` unless ``to`` names another."""
+        if to is None:
+            to = next(sender for sender, routing_id in self.sessions.items() if routing_id == identity)
+        self.sock.send_multipart([identity, *self.codec.encode(type_, body, to=to)])
 
     def close(self):
         self.sock.close(linger=0)
@@ -92,7 +107,8 @@ def test_hello_first_then_heartbeats_with_the_latest_values(coordinator, make_cl
     client.update(step=7, step_time_s=0.5, grad_norm=float("nan"))
     identity, hello = coordinator.receive()[0]
     assert hello.type == "hello" and hello.body == IDENTITY
-    assert identity == b"rank3@j"
+    assert hello.to == "fake-coordinator"  # bound to the instance that welcomed it
+    assert identity[:1] == b"\x00"  # a routing id the ROUTER assigned: no peer can claim it
     _, beat = coordinator.until("heartbeat")
     while beat.body["step"] != 7:
         _, beat = coordinator.until("heartbeat")
@@ -142,6 +158,11 @@ def test_bad_commands_are_ignored(coordinator, make_client):
     identity, _ = coordinator.until("hello")
     coordinator.sock.send_multipart([identity, b"garbage"])
     coordinator.send(identity, "status_request", {})
+    coordinator.send(identity, "stop", {"command_id": "c1", "reason": "r", "origin": "policy"},
+                     to="rank3@node1:4242:another-process")
+    hostile = json.dumps({"v": 2, "type": "stop", "sender": "fake-coordinator", "seq": 10**6,
+                          "time": 10**400, "to": "x", "body": {}}).encode()
+    coordinator.sock.send_multipart([identity, hostile])
     coordinator.send(identity, "stop", {"command_id": "c2", "reason": "r", "origin": "policy"})
     _, ack = coordinator.until("ack")
     assert ack.body["command_id"] == "c2"
@@ -160,7 +181,7 @@ def test_control_messages_and_bye(coordinator, make_client):
                                                      "incident": "/incidents/j-step12"}
     assert coordinator.until("stopped")[1].body["reason"] == "nonfinite"
     client.close(timeout_s=2.0)
-    assert coordinator.until("bye")[1].body == {"rank": 3, "job": "j"}
+    assert coordinator.until("bye")[1].body == {"rank": 3, "job": "j", "clean": True}
 
 
 def test_token_is_used(make_client):
@@ -177,3 +198,105 @@ def test_send_event_checks_the_action():
     with pytest.raises(ValueError, match="action 'explode'"):
         client.send_event(event(0), "explode")
     assert client.send_event(event(0), "skip")
+
+
+def test_nothing_but_handshakes_before_a_welcome_and_they_are_repeated(coordinator, make_client):
+    coordinator.welcome = False  # the welcome is lost (say, the coordinator is busy restarting)
+    client = make_client(coordinator.address, heartbeat_s=0.05)
+    client.captured(1, "/incidents/x")
+    handshakes = []
+    while len(handshakes) < 2:
+        identity, *frames = coordinator.sock.recv_multipart()
+        handshakes.append(coordinator.codec.decode(frames))
+    assert [m.type for m in handshakes] == ["handshake", "handshake"]  # nothing else went out
+    assert handshakes[1].seq > handshakes[0].seq and handshakes[0].to == ""
+    coordinator.sock.send_multipart([identity, *coordinator.codec.encode(
+        "welcome", {"handshake_seq": handshakes[0].seq}, to=handshakes[0].sender)])  # answers the first
+    _, hello = coordinator.until("hello")
+    assert coordinator.until("captured")[1].to == "fake-coordinator"
+
+
+def test_a_welcome_that_answers_no_handshake_of_this_connection_is_refused():
+    link = Link(Codec("rank3@h:1:aa", None))
+    coordinator = Codec("coordinator-a", None)
+    welcome = coordinator.encode("welcome", {"handshake_seq": 1}, to=link.sender)
+    with pytest.raises(ProtocolError) as info:
+        link.read(welcome, time.time())  # no handshake sent yet: a replayed welcome
+    assert info.value.reason == "replayed" and link.instance is None
+    link.handshake()
+    link.handshake()
+    assert link.read(coordinator.encode("welcome", {"handshake_seq": 2}, to=link.sender), time.time()).type \
+        == "welcome"
+    assert link.instance == "coordinator-a"
+    # a stop from another coordinator instance (an earlier one, or another job's) is refused
+    other = Codec("coordinator-b", None).encode("stop", {"command_id": "c", "reason": "r", "origin": "operator"},
+                                                to=link.sender)
+    with pytest.raises(ProtocolError) as info:
+        link.read(other, time.time())
+    assert info.value.reason == "instance"
+    # and so is anything addressed to another session
+    with pytest.raises(ProtocolError) as info:
+        link.read(coordinator.encode("stop", {"command_id": "c", "reason": "r", "origin": "operator"},
+                                     to="rank3@h:1:bb"), time.time())
+    assert info.value.reason == "instance"
+
+
+def test_an_unclean_close_says_so(coordinator, make_client):
+    client = make_client(coordinator.address, heartbeat_s=60)
+    coordinator.until("hello")
+    client.close(timeout_s=2.0, clean=False)
+    assert coordinator.until("bye")[1].body == {"rank": 3, "job": "j", "clean": False}
+
+
+def test_a_context_left_by_an_exception_is_an_unclean_close(coordinator):
+    with pytest.raises(RuntimeError):
+        with Client(coordinator.address, token=None, identity=IDENTITY, heartbeat_s=60):
+            coordinator.until("hello")
+            raise RuntimeError("training failed")
+    assert coordinator.until("bye")[1].body["clean"] is False
+
+
+def test_an_error_on_the_client_thread_does_not_end_it(coordinator, make_client, monkeypatch, caplog):
+    calls = []
+    client = make_client(coordinator.address, on_stop=lambda *a: calls.append(a), heartbeat_s=60)
+    identity, _ = coordinator.until("hello")
+    real_read = Link.read
+    failures = []
+
+    def failing_once(self, frames, now):
+        if not failures:
+            failures.append(1)
+            raise OverflowError("a bug that a peer found")
+        return real_read(self, frames, now)
+
+    monkeypatch.setattr(Link, "read", failing_once)
+    coordinator.send(identity, "stop", {"command_id": "c1", "reason": "r", "origin": "operator"})
+    coordinator.send(identity, "stop", {"command_id": "c2", "reason": "r", "origin": "operator"})
+    assert coordinator.until("ack")[1].body["command_id"] in ("c1", "c2")
+    assert failures and client._thread.is_alive()
+    assert "the coordinator link failed on a turn" in caplog.text and "OverflowError" in caplog.text
+
+
+def test_a_restarted_coordinator_gets_a_new_handshake_and_hello(make_client):
+    first = FakeCoordinator()
+    client = make_client(first.address, heartbeat_s=0.05)
+    try:
+        assert first.until("hello")[1].to == "fake-coordinator"
+    finally:
+        first.close()
+    second = FakeCoordinator()  # another instance on the same port
+    second.sock.close(linger=0)
+    second.sock = second.context.socket(zmq.ROUTER)
+    second.sock.setsockopt(zmq.LINGER, 0)
+    second.sock.bind(first.address)
+    second.codec = Codec("fake-coordinator-2", None)
+    try:
+        client.update(9, 0.1, None)
+        _, hello = second.until("hello")
+        assert hello.to == "fake-coordinator-2"
+        _, beat = second.until("heartbeat")
+        assert beat.to == "fake-coordinator-2"
+        assert not any(m.to == "fake-coordinator" for _, m in second.received)
+    finally:
+        client.close()
+        second.close()

@@ -5,6 +5,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
+from nanguard import ProtocolError
 from nanguard.coordinator.clock import Instant
 from nanguard.coordinator.metrics import Metrics
 from nanguard.coordinator.ranks import Admission, RankTable
@@ -38,29 +39,45 @@ def value(registry, name, **labels):
     return registry.get_sample_value(name, labels)
 
 
+def hello_body(rank, job="job1", world_size=4, pid=None):
+    return {"rank": rank, "local_rank": rank, "world_size": world_size, "host": "h",
+            "pid": 100 + rank if pid is None else pid, "job": job, "device": "cpu", "version": "t"}
+
+
+def hello(table, rank, seconds, job="job1", world_size=4, sender=None, wall_shift_s=0.0):
+    return table.hello(sender or f"rank{rank}-session", b"id%d" % rank, hello_body(rank, job, world_size),
+                       at(seconds, wall_shift_s))
+
+
 def register(table, rank, seconds, job="job1", wall_shift_s=0.0):
-    assert table.admit(job) is Admission.ACCEPTED
-    state, registered = table.seen(rank, b"id%d" % rank, at(seconds, wall_shift_s))
-    assert registered
-    return state
+    result = hello(table, rank, seconds, job, wall_shift_s=wall_shift_s)
+    assert result.new_session and result.admission is Admission.ACCEPTED
+    return result.state
+
+
+def refused(reason, call, *args, **kwargs):
+    with pytest.raises(ProtocolError) as info:
+        call(*args, **kwargs)
+    assert info.value.reason == reason, info.value
+    return info.value
 
 
 def heartbeat(table, state, step, seconds, wall_shift_s=0.0):
     body = {"rank": state.rank, "world_size": 4, "job": "job1", "host": "h", "pid": 100 + state.rank,
             "step": step, "step_time_s": 0.5, "dropped": 0, "grad_norm": 1.0}
-    table.seen(state.rank, state.routing_id, at(seconds, wall_shift_s))
+    table.seen(table.speaker(state.rank, state.sender), state.routing_id, at(seconds, wall_shift_s))
     table.heartbeat(state, body, at(seconds, wall_shift_s))
 
 
 def states(table) -> dict[int, str]:
-    return {r["rank"]: "finished" if r["finished"] else "stalled" if r["stalled"] else
-            "alive" if r["alive"] else "dead" for r in table.status()}
+    return {r["rank"]: "finished" if r["finished"] else "failed" if r["failed"] else
+            "stalled" if r["stalled"] else "alive" if r["alive"] else "dead" for r in table.status()}
 
 
 def test_the_first_job_named_is_served(table):
-    assert table.job is None
+    assert table.job is None and table.world_size is None
     register(table, 0, 0, job="first")
-    assert table.job == "first" and 0 in table and len(table) == 1
+    assert (table.job, table.world_size) == ("first", 4) and 0 in table and len(table) == 1
 
 
 def test_a_rank_silent_longer_than_dead_after_s_is_dead(table, registry, caplog):
@@ -112,46 +129,113 @@ def test_setting_the_wall_clock_marks_no_rank_dead_or_stalled(table, registry, w
 
 
 def test_finished_ranks_are_neither_alive_nor_dead_and_get_no_stop(table, registry, caplog):
-    zero, one = register(table, 0, 0), register(table, 1, 0)
-    table.bye(1, b"id1", at(1))
+    register(table, 0, 0)
+    one = register(table, 1, 0)
+    table.bye(one, True, at(1))
     assert "rank 1 finished" in caplog.text
     table.tick(at(100))
     assert states(table) == {0: "dead", 1: "finished"}
     assert "rank 1 is dead" not in caplog.text
     assert (value(registry, "nanguard_ranks_finished"), value(registry, "nanguard_ranks_alive")) == (1, 0)
     assert [state.rank for state in table.unfinished()] == [0]
-    table.hello(one, {"host": "h", "pid": 2, "world_size": 4})  # the rank runs again
+    hello(table, 1, 101, sender="rank1-again")  # the rank runs again
     assert [state.rank for state in table.unfinished()] == [0, 1]
 
 
-def test_bye_of_a_rank_never_heard_changes_nothing(table):
+def test_an_unclean_bye_is_failed_at_once_never_finished(table, registry, caplog):
     register(table, 0, 0)
-    table.bye(5, b"id5", at(1))
-    assert 5 not in table and states(table) == {0: "alive"}
+    one = register(table, 1, 0)
+    table.bye(one, False, at(1))
+    assert "rank 1 ended without a clean exit" in caplog.text
+    table.tick(at(1.5))  # well before dead_after_s
+    assert states(table) == {0: "alive", 1: "failed"}
+    assert [value(registry, f"nanguard_ranks_{name}") for name in ("alive", "finished", "failed")] == [1, 0, 1]
+    assert [state.rank for state in table.unfinished()] == [0]
+    # what its session still sends (its last heartbeat came before the bye) does not revive it
+    table.seen(one, b"id1", at(2))
+    table.tick(at(2))
+    assert states(table) == {0: "alive", 1: "failed"}
+    hello(table, 1, 3, sender="rank1-restarted")  # a new process for rank 1
+    table.tick(at(3))
+    assert states(table) == {0: "alive", 1: "alive"}
 
 
-def test_a_new_job_starts_once_every_rank_of_the_last_is_dead_or_finished(table, registry):
-    register(table, 0, 0)
-    register(table, 1, 0)
-    table.bye(0, b"id0", at(1))
-    assert table.admit("job2") is Admission.REFUSED  # rank 1 is alive
+def test_only_the_session_that_said_hello_speaks_for_its_rank(table):
+    state = register(table, 0, 0)
+    assert table.speaker(0, "rank0-session") is state
+    refused("unregistered", table.speaker, 0, "someone-else")
+    refused("unregistered", table.speaker, 3, "rank3-session")  # never said hello
+    # a new process of rank 0 takes it over; the old session is no longer heard
+    again = hello(table, 0, 1, sender="rank0-new-process")
+    assert again.new_session and again.state is state
+    refused("unregistered", table.speaker, 0, "rank0-session")
+    assert not hello(table, 0, 2, sender="rank0-new-process").new_session  # a reconnect of the same one
+
+
+def test_ranks_are_bounded_by_the_world_size_and_the_coordinator_limit(registry):
+    table = RankTable(Metrics(registry), max_world_size=8)
+    refused("out_of_range", hello, table, 0, 0, world_size=9)
+    refused("out_of_range", hello, table, 4, 0, world_size=4)
+    assert table.job is None and len(table) == 0
+    register(table, 3, 0)
+    assert table.world_size == 4
+    refused("out_of_range", hello, table, 4, 1)
+    # a new world size of the same job is another incarnation: not while this one lives
+    error = refused("wrong_job", hello, table, 5, 1, world_size=8)
+    assert "world size 4" in str(error) and len(table) == 1
+
+
+def test_a_new_job_starts_once_every_rank_of_the_last_is_dead_failed_or_finished(table, registry):
+    zero, one, two = (register(table, rank, 0) for rank in range(3))
+    table.bye(zero, True, at(1))
+    table.bye(two, False, at(1))
+    refused("wrong_job", hello, table, 0, 1, job="job2")  # rank 1 is alive
     table.tick(at(10))
-    assert table.admit("job2") is Admission.REFUSED
+    refused("wrong_job", hello, table, 0, 10, job="job2")
     table.tick(at(16))  # rank 1 is dead now
-    assert table.admit("job2") is Admission.NEW_JOB
-    assert table.job == "job2" and len(table) == 0 and table.status() == []
+    result = hello(table, 0, 16, job="job2", world_size=2)
+    assert result.admission is Admission.NEW_JOB and (table.job, table.world_size) == ("job2", 2)
+    assert len(table) == 1 and [r["rank"] for r in table.status()] == [0]
     assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="1") is None
-    assert table.admit("job2") is Admission.ACCEPTED
+    assert hello(table, 1, 17, job="job2", world_size=2).admission is Admission.ACCEPTED
+
+
+def test_the_same_job_with_another_world_size_is_a_new_incarnation_once_the_last_is_over(table):
+    (zero,) = (register(table, 0, 0),)
+    table.bye(zero, False, at(1))
+    result = hello(table, 0, 2, world_size=2, sender="new")
+    assert result.admission is Admission.NEW_JOB and table.world_size == 2
 
 
 def test_a_pinned_job_never_changes(registry):
     table = RankTable(Metrics(registry), job="pinned", dead_after_s=15.0, stall_after_s=300.0)
     assert table.job == "pinned"
-    assert table.admit("other") is Admission.REFUSED  # even with no rank at all
-    register(table, 0, 0, job="pinned")
-    table.bye(0, b"id0", at(1))
-    assert table.admit("other") is Admission.REFUSED
+    refused("wrong_job", hello, table, 0, 0, job="other")  # even with no rank at all
+    state = register(table, 0, 0, job="pinned")
+    table.bye(state, True, at(1))
+    refused("wrong_job", hello, table, 0, 2, job="other")
     assert table.job == "pinned" and states(table) == {0: "finished"}
+
+
+def test_a_paused_coordinator_does_not_count_its_pause_as_silence(table, registry):
+    from nanguard.coordinator.clock import LoopClock
+
+    now = {"mono": MONO_0}
+    clock = LoopClock(mono=lambda: now["mono"], wall=lambda: WALL_0 + now["mono"] - MONO_0)
+    zero, one = (table.hello(f"s{rank}", b"id", hello_body(rank), clock.now()).state for rank in (0, 1))
+    for _ in range(20):  # the loop reads the clock every half second
+        now["mono"] += 0.5
+        table.tick(clock.now())
+    now["mono"] += 30.0  # SIGSTOP for 30 s, then SIGCONT: the loop reads one rank's queued heartbeat
+    table.seen(zero, b"id", clock.now())
+    table.tick(clock.now())  # the other rank's heartbeats are not read yet
+    assert states(table) == {0: "alive", 1: "alive"} and value(registry, "nanguard_ranks_alive") == 2
+    assert clock.paused_s == pytest.approx(30.0)
+    for _ in range(31):  # 15.5 s of listening without a word from rank 1: now it is dead
+        now["mono"] += 0.5
+        table.seen(zero, b"id", clock.now())
+        table.tick(clock.now())
+    assert states(table) == {0: "alive", 1: "dead"}
 
 
 @pytest.mark.parametrize("name", ["dead_after_s", "stall_after_s"])

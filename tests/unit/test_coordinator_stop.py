@@ -4,6 +4,8 @@ Sent frames are encoded by a real ``Codec`` and decoded back, so what is checked
 would travel.
 """
 
+import json
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -22,15 +24,16 @@ def at(seconds: float) -> Instant:
 
 
 class Sent:
-    """The send function: records (routing id, decoded message) per rank it was sent to."""
+    """The send function: records (routing id, decoded message) per message, each decoded by the
+    session it is addressed to (as that rank would)."""
 
     def __init__(self):
         self.messages = []
-        self._codec = Codec("rank-side", None)
 
-    def __call__(self, routing_ids, frames):
-        for routing_id in routing_ids:
-            self.messages.append((routing_id, self._codec.decode(frames)))
+    def __call__(self, messages):
+        for routing_id, frames in messages:
+            session = json.loads(frames[0])["to"]
+            self.messages.append((routing_id, Codec(session, None).decode(frames)))
 
     def take(self) -> list[bytes]:
         """The routing ids sent to since the last take."""
@@ -49,13 +52,19 @@ def setup(registry):
     metrics = Metrics(registry)
     ranks = RankTable(metrics)
     sent = Sent()
-    fanout = StopFanout(ranks, metrics, Codec("coordinator", None).encode, sent, resend_s=RESEND_S)
+    fanout = StopFanout(ranks, metrics, encoder(), sent, resend_s=RESEND_S)
     return ranks, fanout, sent
 
 
+def encoder():
+    codec = Codec("coordinator", None)
+    return lambda type_, body_json, to: codec.encode_json(type_, body_json, to=to)
+
+
 def register(ranks, *numbers, seconds=0.0):
-    ranks.admit("job1")
-    return [ranks.seen(number, b"id%d" % number, at(seconds))[0] for number in numbers]
+    return [ranks.hello("session%d" % number, b"id%d" % number,
+                        {"rank": number, "local_rank": 0, "world_size": 16, "host": "h", "pid": 1, "job": "job1",
+                         "device": "cpu", "version": "t"}, at(seconds)).state for number in numbers]
 
 
 def stops_counted(registry) -> float:
@@ -64,8 +73,8 @@ def stops_counted(registry) -> float:
 
 def test_the_stop_goes_to_every_registered_unfinished_rank(setup, registry):
     ranks, fanout, sent = setup
-    register(ranks, 0, 1, 2, 3)
-    ranks.bye(2, b"id2", at(0.5))
+    states = register(ranks, 0, 1, 2, 3)
+    ranks.bye(states[2], True, at(0.5))
     command, made = fanout.begin("policy", "non-finite forward event", "nonfinite", at(1))
     assert made and command.time == at(1).wall
     assert sorted(routing_id for routing_id, _ in sent.messages) == [b"id0", b"id1", b"id3"]
@@ -99,10 +108,10 @@ def test_resends_go_only_to_ranks_that_have_not_acked(setup):
 
 def test_a_rank_that_finishes_gets_no_more_resends(setup):
     ranks, fanout, sent = setup
-    register(ranks, 0, 1)
+    _, one = register(ranks, 0, 1)
     fanout.begin("operator", "maintenance", "operator", at(1))
     sent.take()
-    ranks.bye(1, b"id1", at(1.1))
+    ranks.bye(one, False, at(1.1))
     fanout.resend_due(at(1 + RESEND_S))
     assert sent.take() == [b"id0"]
 
@@ -116,6 +125,21 @@ def test_a_rank_registering_after_the_stop_gets_it(setup):
     fanout.registered(late, at(5))
     assert [(routing_id, message.body["command_id"]) for routing_id, message in sent.messages] == [
         (b"id7", command.command_id)]
+
+
+def test_each_copy_is_addressed_to_its_rank_session_and_a_new_process_must_ack_again(setup):
+    ranks, fanout, sent = setup
+    register(ranks, 0, 1)
+    command, _ = fanout.begin("operator", "maintenance", "operator", at(1))
+    assert sorted(message.to for _, message in sent.messages) == ["session0", "session1"]
+    sent.take()
+    fanout.ack(1, command.command_id)
+    # rank 1 restarts: its new process gets the stop, and resends go on until it acks itself
+    ranks.hello("session1-again", b"id1", {"rank": 1, "local_rank": 0, "world_size": 16, "host": "h", "pid": 2,
+                                           "job": "job1", "device": "cpu", "version": "t"}, at(2))
+    fanout.registered(ranks.speaker(1, "session1-again"), at(2))
+    assert [message.to for _, message in sent.messages] == ["session1-again"]
+    assert fanout.status()["acked"] == []
 
 
 def test_no_stop_no_send_to_a_registering_rank(setup):
@@ -160,4 +184,4 @@ def test_a_stop_with_no_rank_yet_sends_nothing_and_waits_for_the_first(setup):
 def test_resend_s_must_be_positive(registry):
     metrics = Metrics(registry)
     with pytest.raises(ValueError, match="resend_s=0 must be a positive number of seconds"):
-        StopFanout(RankTable(metrics), metrics, Codec("c", None).encode, Sent(), resend_s=0)
+        StopFanout(RankTable(metrics), metrics, encoder(), Sent(), resend_s=0)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nanguard import Event, ProtocolError
+from nanguard.protocol import ROLES
 from nanguard.protocol import WIRE_REASONS as REASONS
 from nanguard.wire import (
     MAX_BYTES,
@@ -23,11 +24,13 @@ from nanguard.wire import (
 
 RANK_STATUS = {"rank": 1, "host": "node1", "pid": 42, "world_size": 2, "step": 7, "step_time_s": 0.25,
                "grad_norm": "nan", "last_seen": 1.7e9, "alive": True, "stalled": False,
-               "finished": False, "events": 3, "dropped": 0}
+               "finished": False, "failed": False, "events": 3, "dropped": 0}
 EVENT = Event(kind="forward", rank=1, step=25, layer="blocks.1.gate", module_type="Linear", has_nan=True,
               shape=(4, 8), first_index=(0, 3), first_value=-math.inf, host="node1", time=1.7e9)
 
 BODIES = {
+    "handshake": {},
+    "welcome": {"handshake_seq": 1},
     "hello": {"rank": 1, "local_rank": 1, "world_size": 2, "host": "node1", "pid": 42, "job": "j",
               "device": "cuda:1", "version": "0.1.0"},
     "heartbeat": {"rank": 1, "world_size": 2, "job": "j", "host": "node1", "pid": 42, "step": 7,
@@ -37,7 +40,7 @@ BODIES = {
     "captured": {"rank": 1, "job": "j", "step": 25, "incident": "/runs/incidents/j-step25"},
     "stopped": {"rank": 1, "job": "j", "step": 25, "reason": "nonfinite"},
     "ack": {"rank": 1, "command_id": "c0ffee"},
-    "bye": {"rank": 1, "job": "j"},
+    "bye": {"rank": 1, "job": "j", "clean": True},
     "stop": {"command_id": "c0ffee", "reason": "operator says so", "origin": "operator"},
     "status_request": {},
     "status": {"job": "j", "ranks": [RANK_STATUS],
@@ -45,11 +48,13 @@ BODIES = {
                         "acked": [0, 1]}},
     "stop_request": {"reason": "maintenance"},
     "stop_accepted": {"command_id": "c0ffee", "existing": False},
+    "refused": {"reason": "stopping a job needs NANGUARD_OPERATOR_TOKEN"},
 }
+RECEIVER = "coordinator"
 
 
 def envelope(type_="hello", body=None, **fields):
-    data = {"v": 1, "type": type_, "sender": "test", "seq": 1, "time": time.time(),
+    data = {"v": 2, "type": type_, "sender": "test", "seq": 1, "time": time.time(), "to": RECEIVER,
             "body": BODIES[type_] if body is None else body}
     data.update(fields)
     return json.dumps(data).encode()
@@ -70,37 +75,88 @@ def test_every_type_has_a_test_body():
 @pytest.mark.parametrize("type_", TYPES)
 def test_round_trip(type_, token):
     sender, receiver = Codec("rank1@node1:42:ab", token), Codec("coordinator", token)
-    frames = sender.encode(type_, BODIES[type_])
+    frames = sender.encode(type_, BODIES[type_], to="coordinator")
     assert len(frames) == (1 if token is None else 2)
     assert b"\n" not in frames[0]
     message = receiver.decode(frames)
     assert isinstance(message, Message)
     assert (message.type, message.sender, message.seq) == (type_, "rank1@node1:42:ab", 1)
+    assert message.to == "coordinator" and message.role == (None if token is None else "rank")
     assert abs(message.time - time.time()) < 60
     assert message.payload == frames[0]
     assert json.loads(message.payload)["body"] == json.loads(json.dumps(BODIES[type_]))
 
 
+def round_trip(codec, type_, body):
+    """``codec`` sends to itself."""
+    return codec.decode(codec.encode(type_, body, to=codec.sender))
+
+
 def test_normalised_bodies():
     codec = Codec("a", None)
-    events = codec.decode(codec.encode("events", BODIES["events"])).body["events"]
+    events = round_trip(codec, "events", BODIES["events"]).body["events"]
     assert [Event(**values) for values in events] == [EVENT, EVENT]
-    status = codec.decode(codec.encode("status", BODIES["status"])).body
+    status = round_trip(codec, "status", BODIES["status"]).body
     assert math.isnan(status["ranks"][0]["grad_norm"])
     beat = dict(BODIES["heartbeat"], grad_norm="inf", step_time_s=None)
-    assert codec.decode(codec.encode("heartbeat", beat)).body["grad_norm"] == math.inf
+    assert round_trip(codec, "heartbeat", beat).body["grad_norm"] == math.inf
 
 
 def test_seq_grows_per_codec():
     codec = Codec("a", None)
-    seqs = [codec.decode(codec.encode("bye", BODIES["bye"])).seq for _ in range(3)]
+    seqs = [round_trip(codec, "bye", BODIES["bye"]).seq for _ in range(3)]
     assert seqs == [1, 2, 3]
-    assert Codec("b", None).decode(Codec("b", None).encode("bye", BODIES["bye"])).seq == 1
+    assert round_trip(Codec("b", None), "bye", BODIES["bye"]).seq == 1
 
 
 def test_mac_is_hmac_sha256_of_the_payload():
-    payload, mac = Codec("a", "tok").encode("bye", BODIES["bye"])
+    payload, mac = Codec("a", "tok").encode("bye", BODIES["bye"], to="c")
     assert mac == hmac.new(b"tok", payload, hashlib.sha256).digest()
+
+
+def test_envelope_of_version_2():
+    payload = Codec("rank1@h:1:ab", None).encode("handshake", {}, to="")[0]
+    data = json.loads(payload)
+    assert list(data) == ["v", "type", "sender", "seq", "time", "to", "body"]
+    assert (data["v"], data["type"], data["to"], data["body"]) == (2, "handshake", "", {})
+
+
+def test_only_a_handshake_goes_to_nobody_and_every_other_message_to_its_receiver():
+    sender, receiver = Codec("rank1", None), Codec("coordinator@h:1:aa", None)
+    assert receiver.decode(sender.encode("handshake", {}, to="")).type == "handshake"
+    assert receiver.decode(sender.encode("hello", BODIES["hello"], to="coordinator@h:1:aa")).type == "hello"
+    for type_, to in [("hello", ""), ("stop_request", ""), ("hello", "coordinator@h:1:bb"),
+                      ("handshake", "coordinator@other")]:
+        error = refused(receiver, sender.encode(type_, BODIES[type_], to=to))
+        assert error.reason == "instance" and "coordinator@h:1:aa" in str(error)
+
+
+def test_roles_sign_and_verify_with_their_own_keys():
+    coordinator = Codec("c", "rank-secret", operator_token="operator-secret")
+    rank, operator = Codec("r", "rank-secret"), Codec("o", operator_token="operator-secret")
+    assert coordinator.decode(rank.encode("heartbeat", BODIES["heartbeat"], to="c")).role == "rank"
+    assert coordinator.decode(operator.encode("stop_request", {"reason": "x"}, to="c")).role == "operator"
+    # a rank holds no operator key: whatever it signs is a rank's message
+    assert coordinator.decode(rank.encode("stop_request", {"reason": "x"}, to="c")).role == "rank"
+    # the coordinator answers each with its own key, and each side verifies it
+    assert operator.decode(coordinator.encode("status", BODIES["status"], to="o", role="operator")).role \
+        == "operator"
+    assert rank.decode(coordinator.encode("stop", BODIES["stop"], to="r", role="rank")).role == "rank"
+    assert refused(rank, coordinator.encode("stop", BODIES["stop"], to="r", role="operator")).reason \
+        == "unauthenticated"
+    assert sorted(role for role in ROLES if coordinator.holds(role)) == ["operator", "rank"]
+
+
+def test_an_operator_token_alone_leaves_ranks_open_but_not_stops():
+    coordinator = Codec("c", None, operator_token="operator-secret")
+    assert coordinator.decode(Codec("r", None).encode("hello", BODIES["hello"], to="c")).role is None
+    forged = Codec("x", "guess").encode("stop_request", {"reason": "x"}, to="c")
+    assert refused(coordinator, forged).reason == "unauthenticated"
+
+
+def test_the_operator_token_must_differ_from_the_rank_token():
+    with pytest.raises(ValueError, match="must differ"):
+        Codec("c", "same", operator_token="same")
 
 
 @pytest.mark.parametrize("frames, reason, fragment", [
@@ -113,7 +169,8 @@ def test_mac_is_hmac_sha256_of_the_payload():
     ([b"[" * 100_000], "oversized", "over the limit"),
     ([b"[" * 60_000], "malformed", "not JSON"),
     ([b"[1, 2]"], "malformed", "not a JSON object"),
-    ([envelope(v=2)], "version", "version 2"),
+    ([envelope(v=1)], "version", "version 1"),
+    ([envelope(v=3)], "version", "version 3"),
     ([envelope(v=True)], "version", "version True"),
     ([b'{"type": "hello"}'], "version", "version None"),
     ([envelope(extra=1)], "malformed", "envelope"),
@@ -123,6 +180,12 @@ def test_mac_is_hmac_sha256_of_the_payload():
     ([envelope(seq=-1)], "malformed", "seq"),
     ([envelope(seq="1")], "malformed", "seq"),
     ([envelope(time="now")], "malformed", "time"),
+    ([envelope(time=10**400)], "malformed", "time 1000"),
+    ([envelope(time=-(10**400))], "malformed", "time -1000"),
+    ([envelope(to=None)], "malformed", "to None"),
+    ([envelope(to="x" * 300)], "malformed", "to 'xxx"),
+    ([envelope(to="someone else")], "instance", "addressed to 'someone else'"),
+    ([envelope(to="")], "instance", "addressed to nobody"),
     ([envelope(type="reboot", body={})], "schema", "unknown message type"),
     ([envelope(body=[])], "schema", "expected an object"),
     ([envelope(body={"rank": 1})], "schema", "missing field(s) local_rank"),
@@ -134,6 +197,14 @@ def test_mac_is_hmac_sha256_of_the_payload():
     ([envelope(body=dict(BODIES["hello"], host="h" * 300))], "schema", ".host: expected a string"),
     ([envelope("heartbeat", dict(BODIES["heartbeat"], step_time_s=-1.0))], "schema", ".step_time_s"),
     ([envelope("heartbeat", dict(BODIES["heartbeat"], grad_norm="lots"))], "schema", ".grad_norm"),
+    ([envelope("heartbeat", dict(BODIES["heartbeat"], grad_norm=10**400))], "schema", ".grad_norm"),
+    ([envelope("heartbeat", dict(BODIES["heartbeat"], step_time_s=10**400))], "schema", ".step_time_s"),
+    ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), finite_max=10**400)]))],
+     "schema", "finite_max is an integer too large"),
+    ([envelope("events", dict(BODIES["events"], events=[dict(EVENT.to_dict(), layer=json.loads("[" * 900 + "]" * 900))]))],
+     "schema", "[[[...]]]"),
+    ([envelope("bye", {"rank": 1, "job": "j"})], "schema", "missing field(s) clean"),
+    ([envelope("bye", dict(BODIES["bye"], clean="yes"))], "schema", ".clean"),
     ([envelope("heartbeat", dict(BODIES["heartbeat"], dropped=-5))], "schema", ".dropped"),
     ([envelope("events", dict(BODIES["events"], events=[]))], "schema", "1 to 256 items, got 0"),
     ([envelope("events", dict(BODIES["events"], events=[{"kind": "loss"}] * 300))], "schema", "got 300"),
@@ -164,12 +235,12 @@ def test_oversized_is_refused_on_both_sides():
     codec = Codec("a", None)
     too_many = dict(BODIES["events"], events=[dict(EVENT.to_dict(), message="m" * 1900)] * 40)
     with pytest.raises(ProtocolError) as info:
-        codec.encode("events", too_many)
+        codec.encode("events", too_many, to="c")
     assert info.value.reason == "oversized"
     assert refused(codec, [b" " * (MAX_BYTES + 1)]).reason == "oversized"
     # a status may be larger, and an operator codec reads it
     ranks = [dict(RANK_STATUS, rank=r) for r in range(1000)]
-    frames = Codec("c", None).encode("status", dict(BODIES["status"], ranks=ranks))
+    frames = Codec("c", None).encode("status", dict(BODIES["status"], ranks=ranks), to="op")
     assert len(frames[0]) > MAX_BYTES
     assert refused(codec, frames).reason == "oversized"
     assert len(Codec("op", None, max_bytes=MAX_STATUS_BYTES).decode(frames).body["ranks"]) == 1000
@@ -179,7 +250,7 @@ def test_events_batch_of_max_size_fits():
     compact = Event(kind="grad", rank=3, step=10**6, layer="model.layers.31.mlp.down_proj.weight",
                     has_nan=True).to_dict(compact=True)
     codec = Codec("a", None)
-    body = codec.decode(codec.encode("events", {"rank": 3, "job": "j", "events": [compact] * MAX_EVENTS}))
+    body = round_trip(codec, "events", {"rank": 3, "job": "j", "events": [compact] * MAX_EVENTS})
     assert len(body.body["events"]) == MAX_EVENTS
 
 
@@ -189,13 +260,13 @@ def test_events_batch_of_max_size_fits():
     ("tok", "other", "does not match"),
 ])
 def test_unauthenticated(sender_token, receiver_token, fragment):
-    frames = Codec("a", sender_token).encode("bye", BODIES["bye"])
+    frames = Codec("a", sender_token).encode("bye", BODIES["bye"], to="b")
     error = refused(Codec("b", receiver_token), frames)
     assert error.reason == "unauthenticated" and fragment in str(error)
 
 
 def test_tampered_payload_is_unauthenticated():
-    payload, mac = Codec("a", "tok").encode("stop_request", {"reason": "x"})
+    payload, mac = Codec("a", "tok").encode("stop_request", {"reason": "x"}, to="b")
     forged = payload.replace(b'"x"', b'"y"')
     assert refused(Codec("b", "tok"), [forged, mac]).reason == "unauthenticated"
     assert refused(Codec("b", "tok"), [payload, mac[:-1]]).reason == "unauthenticated"
@@ -203,7 +274,7 @@ def test_tampered_payload_is_unauthenticated():
 
 def test_replay_filter():
     codec, receiver = Codec("rank0", None), Codec("c", None)
-    first, second = (receiver.decode(codec.encode("bye", BODIES["bye"])) for _ in range(2))
+    first, second = (receiver.decode(codec.encode("bye", BODIES["bye"], to="c")) for _ in range(2))
     replay = ReplayFilter(window_s=300)
     now = time.time()
     replay.check(first, now)
@@ -214,7 +285,7 @@ def test_replay_filter():
         assert info.value.reason == "replayed"
     for skew in (-301, 301):
         with pytest.raises(ProtocolError) as info:
-            replay.check(receiver.decode(codec.encode("bye", BODIES["bye"])), now + skew)
+            replay.check(receiver.decode(codec.encode("bye", BODIES["bye"], to="c")), now + skew)
         assert info.value.reason == "stale"
 
 
@@ -222,11 +293,11 @@ def test_replay_filter_memory_is_bounded():
     replay = ReplayFilter(max_senders=3)
     now = time.time()
     for name in "abcd":
-        replay.check(Message("bye", name, 1, now, {}, b""), now)
+        replay.check(Message("bye", name, 1, now, "c", {}, b""), now)
     assert len(replay) == 3
-    replay.check(Message("bye", "a", 1, now, {}, b""), now)  # "a" was forgotten first
+    replay.check(Message("bye", "a", 1, now, "c", {}, b""), now)  # "a" was forgotten first
     with pytest.raises(ProtocolError):
-        replay.check(Message("bye", "d", 1, now, {}, b""), now)
+        replay.check(Message("bye", "d", 1, now, "c", {}, b""), now)
 
 
 def test_check_body_wraps_event_errors_as_schema():
@@ -243,9 +314,9 @@ def test_protocol_error_is_backwards_compatible():
 def test_encode_refuses_unknown_types_and_nan():
     codec = Codec("a", None)
     with pytest.raises(ValueError, match="unknown message type"):
-        codec.encode("reboot", {})
+        codec.encode("reboot", {}, to="c")
     with pytest.raises(ValueError):
-        codec.encode("heartbeat", dict(BODIES["heartbeat"], grad_norm=math.nan))
+        codec.encode("heartbeat", dict(BODIES["heartbeat"], grad_norm=math.nan), to="c")
 
 
 def _mutations(value, rng):
@@ -271,7 +342,7 @@ def test_fuzzed_messages_raise_only_protocol_errors():
     import random
 
     rng = random.Random(1234)
-    codec = Codec("fuzz", None)
+    codec = Codec(RECEIVER, None)
     for _ in range(3000):
         type_ = rng.choice(TYPES)
         envelope_ = json.loads(envelope(type_))

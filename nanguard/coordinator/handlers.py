@@ -1,0 +1,146 @@
+"""What each message does once it is decoded, authenticated, addressed to this instance and new.
+
+    rank -> coordinator       handshake, hello, heartbeat, events, captured, stopped, ack, bye
+    operator -> coordinator   handshake, status_request, stop_request
+
+A handler refuses a message by raising ProtocolError with the reason it is counted under
+(``protocol.BAD_MESSAGE_REASONS``); the server counts it and nothing else happens. Who may send
+what: a ``handshake`` anyone with a valid credential; rank messages a rank (``Message.role`` is
+``rank``, or None where ranks need no token), and only for the rank whose session said hello
+(``RankTable.speaker``); ``status_request`` a rank or an operator; ``stop_request`` only an
+operator, or anyone where the coordinator holds no secret at all (loopback or --insecure).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+from ..errors import ProtocolError
+from ..wire import Message
+from .clock import Instant
+from .metrics import Metrics
+from .policy import Policy
+from .ranks import Admission, RankTable
+from .stop import StopCommand, StopFanout
+
+log = logging.getLogger("nanguard.coordinator")
+
+Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
+"""answers ``message`` (from the connection ``routing id``) with a message of a type and body"""
+
+RANK_TYPES = frozenset(("hello", "heartbeat", "events", "captured", "stopped", "ack", "bye"))
+_NO_OPERATOR_TOKEN = ("stopping a job needs the operator credential: set NANGUARD_OPERATOR_TOKEN on the "
+                      "coordinator and in the operator's environment (ranks never hold it)")
+
+
+class Handlers:
+    """The state the messages change: the rank table, the stop fan-out, the policy, the metrics.
+
+    ``operator_gate``: True when this coordinator holds any secret, so that a ``stop_request``
+    needs the operator's credential; ``sync_soon``: called when a stop is decided (the event log
+    then reaches the disk at once).
+    """
+
+    def __init__(self, *, ranks: RankTable, stops: StopFanout, policy: Policy, metrics: Metrics,
+                 reply: Reply, operator_gate: bool, sync_soon: Callable[[], None]):
+        self.ranks, self.stops, self.policy, self.metrics = ranks, stops, policy, metrics
+        self._reply = reply
+        self._operator_gate = operator_gate
+        self._sync_soon = sync_soon
+        self._rank_handlers = {
+            "heartbeat": self._on_heartbeat, "events": self._on_events, "captured": self._on_captured,
+            "stopped": self._on_stopped, "ack": self._on_ack, "bye": self._on_bye,
+        }
+
+    def handle(self, message: Message, identity: bytes, at: Instant) -> None:
+        """Apply ``message``, which came over the connection ``identity``; ProtocolError refuses it."""
+        type_ = message.type
+        if type_ == "handshake":
+            # no state changes: the peer learns which instance to address (its next messages bind to it)
+            self._reply(identity, message, "welcome", {"handshake_seq": message.seq})
+        elif type_ in RANK_TYPES:
+            if message.role == "operator":
+                raise ProtocolError(f"a {type_} message signed with the operator token: operators are not "
+                                    "ranks", reason="forbidden")
+            if type_ == "hello":
+                self._on_hello(message, identity, at)
+            else:
+                state = self.ranks.speaker(message.body["rank"], message.sender)
+                self.ranks.seen(state, identity, at)
+                self._rank_handlers[type_](state, message.body, at)
+        elif type_ == "status_request":
+            self._reply(identity, message, "status", {"job": self.ranks.job, "ranks": self.ranks.status(),
+                                                      "stop": self.stops.status()})
+        elif type_ == "stop_request":
+            self._on_stop_request(message, identity, at)
+        else:
+            raise ProtocolError(f"a {type_} message does not travel to the coordinator", reason="unexpected")
+
+    def begin_stop(self, origin: str, reason: str, label: str, at: Instant) -> tuple[StopCommand, bool]:
+        command, made = self.stops.begin(origin, reason, label, at)
+        if made:
+            self._sync_soon()
+        return command, made
+
+    def _on_hello(self, message: Message, identity: bytes, at: Instant) -> None:
+        hello = self.ranks.hello(message.sender, identity, message.body, at)
+        if hello.admission is Admission.NEW_JOB:
+            self.stops.reset()
+            self.policy.reset()
+        if hello.new_session:
+            self.stops.registered(hello.state, at)
+
+    def _on_heartbeat(self, state, body: dict[str, Any], at: Instant) -> None:
+        self.ranks.heartbeat(state, body, at)
+
+    def _on_events(self, state, body: dict[str, Any], at: Instant) -> None:
+        events = body["events"]
+        state.events += len(events)
+        kinds = Counter(map(itemgetter("kind"), events))
+        # a rank speaks for itself: its events count under its own rank, whatever they say inside
+        self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()})
+        if self.stops.command is None and not self.policy.stop_kinds.isdisjoint(kinds):
+            action = body.get("action")
+            for event in events:
+                decision = self.policy.observe(event["kind"], state.rank, event["step"], event["layer"],
+                                               action, at.wall)
+                if decision is not None:
+                    self.begin_stop("policy", decision.reason, decision.label, at)
+                    break
+
+    def _on_captured(self, state, body: dict[str, Any], at: Instant) -> None:
+        self.metrics.incident(body["incident"])
+        log.info("rank %d captured step %d into %s", state.rank, body["step"], body["incident"])
+
+    def _on_stopped(self, state, body: dict[str, Any], at: Instant) -> None:
+        reason = body["reason"]
+        log.info("rank %d stopped at step %d (%s)", state.rank, body["step"], reason)
+        if self.stops.command is not None:
+            return
+        if reason == "nonfinite":
+            # the ranks decided on a non-finite value they saw themselves: tell every other rank too
+            self.begin_stop("policy", f"rank {state.rank} stopped at step {body['step']} (nonfinite)",
+                            "nonfinite", at)
+        else:
+            # a command this instance never issued (an earlier instance's, which reached every rank
+            # through their all-reduce): a rank's word alone never makes a policy or operator stop
+            log.info("rank %d reports a %s stop that this coordinator instance did not issue; no new stop",
+                     state.rank, reason)
+
+    def _on_ack(self, state, body: dict[str, Any], at: Instant) -> None:
+        self.stops.ack(state.rank, body["command_id"])
+
+    def _on_bye(self, state, body: dict[str, Any], at: Instant) -> None:
+        self.ranks.bye(state, body["clean"], at)
+
+    def _on_stop_request(self, message: Message, identity: bytes, at: Instant) -> None:
+        if message.role != "operator" and (self._operator_gate or message.role is not None):
+            self._reply(identity, message, "refused", {"reason": _NO_OPERATOR_TOKEN})
+            raise ProtocolError(f"a stop request from {message.sender} without the operator credential",
+                                reason="forbidden")
+        command, made = self.begin_stop("operator", message.body["reason"], "operator", at)
+        self._reply(identity, message, "stop_accepted", {"command_id": command.command_id, "existing": not made})

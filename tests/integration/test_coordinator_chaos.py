@@ -1,0 +1,258 @@
+"""Chaos around the coordinator while a real 2-rank torchrun job (gloo, CPU) runs: it is paused, it
+restarts, the network between it and the ranks drops, an intruder takes a rank's old routing id,
+captured requests are played again. Training goes on, no rank reads as dead when it is not, and
+the one who may stop the job still reaches every rank.
+"""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from nanguard.coordinator.control import request
+from nanguard.wire import Codec
+
+from conftest import CoordinatorProcess, free_port
+from test_coordinated import progress_file, wait_for_progress
+
+pytestmark = pytest.mark.slow
+
+SLOW = ("--steps", "3000", "--step-sleep", "0.05")
+TOKEN, OPERATOR_TOKEN = "chaos-ranks", "chaos-operators"
+SECRETS = {"NANGUARD_TOKEN": TOKEN, "NANGUARD_OPERATOR_TOKEN": OPERATOR_TOKEN}
+
+
+def status(coordinator) -> dict:
+    return request(coordinator.address, TOKEN, "status_request", {}, timeout_s=20).body
+
+
+def operator_stop(coordinator, reason: str) -> str:
+    reply = request(coordinator.address, None, "stop_request", {"reason": reason}, operator_token=OPERATOR_TOKEN,
+                    timeout_s=20)
+    return reply.body["command_id"]
+
+
+def stopped_together(job, reason: str) -> dict[int, dict]:
+    """Every rank stopped at one common step on the stop whose reason includes ``reason``."""
+    results = job.wait(120).results()
+    stops = {rank: r["stop"] for rank, r in results.items()}
+    assert sorted(stops) == [0, 1] and all(s is not None for s in stops.values()), results
+    assert len({s["step"] for s in stops.values()}) == 1, stops
+    assert any(reason in s["reason"] for s in stops.values()), stops
+    return results
+
+
+def start_job(torchrun, tmp_path, address: str, **env: str):
+    progress = progress_file(tmp_path)
+    job = torchrun.spawn("ddp_train.py", *SLOW, "--progress-file", str(progress),
+                         env={"NANGUARD_COORDINATOR": address, "NANGUARD_HEARTBEAT_S": "0.2", **env})
+    wait_for_progress(progress, 5, job)
+    return job
+
+
+@pytest.mark.timeout(300)
+def test_a_paused_coordinator_marks_no_rank_dead_when_it_resumes(torchrun, coordinator, tmp_path):
+    coordinator.start(env=SECRETS)  # --dead-after-s 15: the 30 s pause is twice that
+    job = start_job(torchrun, tmp_path, coordinator.address, NANGUARD_TOKEN=TOKEN)
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    time.sleep(30)
+    coordinator.proc.send_signal(signal.SIGCONT)
+    seen = []
+    deadline = time.monotonic() + 20  # over dead_after_s of listening after the pause
+    while time.monotonic() < deadline:
+        seen.append(coordinator.value("nanguard_ranks_alive"))
+        time.sleep(0.1)
+    assert len(seen) > 20 and set(seen) == {2.0}, seen
+    assert "did not run for" in (tmp_path / "coordinator1.err").read_text()
+    operator_stop(coordinator, "end of the pause test")
+    stopped_together(job, "end of the pause test")
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_coordinator_reaches_every_rank_with_a_stop(torchrun, coordinator, tmp_path):
+    coordinator.start(env=SECRETS)
+    job = start_job(torchrun, tmp_path, coordinator.address, NANGUARD_TOKEN=TOKEN)
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+    coordinator.kill()
+    time.sleep(1.0)
+    coordinator.start(env=SECRETS)  # same port, a new instance that knows nothing of the job
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=30)
+    operator_stop(coordinator, "after the restart")
+    stopped_together(job, "after the restart")
+    # the ranks said hello to the new instance before anything else: nothing of theirs was refused
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+
+
+class Proxy:
+    """A TCP relay from a local port to ``upstream``, in one named thread; ``cut(seconds)`` drops
+    every connection and refuses new ones for that long (a network blip); ``seen`` holds the first
+    MiB of what went through (what a sniffer on the network reads)."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.port = free_port()
+        self.seen = bytearray()
+        self._selector = selectors.DefaultSelector()
+        self._pairs: dict[socket.socket, socket.socket] = {}
+        self._listener: socket.socket | None = None
+        self._closed_until = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-proxy", daemon=True)
+        self._lock = threading.Lock()
+        self._listen()
+        self._thread.start()
+
+    def cut(self, seconds: float) -> None:
+        with self._lock:
+            self._closed_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+
+    def _listen(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        listener.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._listener = listener
+
+    def _drop_all(self) -> None:
+        for sock in list(self._pairs):
+            self._selector.unregister(sock)
+            sock.close()
+        self._pairs.clear()
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    closed = time.monotonic() < self._closed_until
+                if closed and (self._pairs or self._listener is not None):
+                    self._drop_all()
+                elif not closed and self._listener is None:
+                    self._listen()
+                for key, _ in self._selector.select(0.05):
+                    self._ready(key.fileobj)
+        finally:
+            self._drop_all()
+            self._selector.close()
+
+    def _ready(self, sock: socket.socket) -> None:
+        if sock is self._listener:
+            client, _ = sock.accept()
+            server = socket.create_connection(self.upstream)
+            for one, other in ((client, server), (server, client)):
+                one.setblocking(False)
+                self._pairs[one] = other
+                self._selector.register(one, selectors.EVENT_READ)
+            return
+        if sock not in self._pairs:
+            return
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        other = self._pairs[sock]
+        if len(self.seen) < 1 << 20:
+            self.seen += data
+        if not data:
+            for one in (sock, other):
+                self._pairs.pop(one, None)
+                self._selector.unregister(one)
+                one.close()
+            return
+        other.setblocking(True)
+        other.sendall(data)
+        other.setblocking(False)
+
+
+@pytest.mark.timeout(300)
+def test_after_a_network_blip_every_rank_is_reachable_again(torchrun, coordinator, tmp_path):
+    coordinator.start(env=SECRETS)
+    proxy = Proxy(coordinator.port)
+    try:
+        job = start_job(torchrun, tmp_path, f"tcp://127.0.0.1:{proxy.port}", NANGUARD_TOKEN=TOKEN)
+        coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+        sessions = {r["rank"]: r["pid"] for r in status(coordinator)["ranks"]}
+        proxy.cut(3.0)
+        time.sleep(4.0)
+        # the ranks reconnect, are welcomed by the same instance and say hello again
+        coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=30)
+        assert {r["rank"]: r["pid"] for r in status(coordinator)["ranks"]} == sessions
+        operator_stop(coordinator, "after the blip")
+        stopped_together(job, "after the blip")
+        assert coordinator.value("nanguard_bad_messages_total") == 0
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(300)
+def test_intruders_and_replayed_requests_are_refused_and_the_real_stop_still_arrives(torchrun, coordinator,
+                                                                                       tmp_path):
+    coordinator.start(env=SECRETS)
+    other = CoordinatorProcess(tmp_path / "other", port=free_port())  # another coordinator, same secrets
+    (tmp_path / "other").mkdir()
+    other.start(env=SECRETS)
+    context = zmq.Context()
+    intruders: list[zmq.Socket] = []
+    sniffer = context.socket(zmq.DEALER)
+    player = context.socket(zmq.DEALER)
+    try:
+        job = start_job(torchrun, tmp_path, coordinator.address, NANGUARD_TOKEN=TOKEN)
+        coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+        run_id = status(coordinator)["job"]
+        # intruders connect with the routing ids ranks had before (rank{N}@{job}): ids no longer
+        # mean anything, and without the token they cannot even say hello
+        for rank in (0, 1):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, f"rank{rank}@{run_id}".encode())
+            sock.connect(coordinator.address)
+            sock.send_multipart(Codec(f"intruder{rank}", None).encode("handshake", {}, to=""))
+            intruders.append(sock)
+        # an operator's stop sniffed on its way to the other coordinator, played to this one
+        operator = Codec("operator@h:1:sniffed", operator_token=OPERATOR_TOKEN)
+        sniffer.setsockopt(zmq.LINGER, 0)
+        sniffer.connect(other.address)
+        sniffer.send_multipart(operator.encode("handshake", {}, to=""))
+        assert sniffer.poll(20_000)
+        other_instance = operator.decode(sniffer.recv_multipart()).sender
+        sniffed = operator.encode("stop_request", {"reason": "meant for the other job"}, to=other_instance)
+        sniffer.send_multipart(sniffed)  # the other coordinator takes it: it was a real request there
+        player.setsockopt(zmq.LINGER, 0)
+        player.connect(coordinator.address)
+        player.send_multipart(sniffed)
+        # a compromised rank (it holds NANGUARD_TOKEN) asks for a stop: an operator's right only
+        rogue = Codec("rank1@h:1:rogue", TOKEN)
+        player.send_multipart(rogue.encode("handshake", {}, to=""))
+        assert player.poll(20_000)
+        instance = rogue.decode(player.recv_multipart()).sender
+        player.send_multipart(rogue.encode("stop_request", {"reason": "rogue"}, to=instance))
+        for reason, count in (("unauthenticated", 2), ("instance", 1), ("forbidden", 1)):
+            coordinator.wait_for("nanguard_bad_message_reasons_total", at_least=count, reason=reason)
+        assert status(coordinator)["stop"] is None and job.procs[0].poll() is None
+        command_id = operator_stop(coordinator, "the real one")
+        stopped_together(job, "the real one")
+        assert all(not sock.poll(500) for sock in intruders)  # nothing ever reached the intruders
+        assert status(coordinator)["stop"]["command_id"] == command_id
+        assert coordinator.value("nanguard_stops_total", reason="operator") == 1
+    finally:
+        for sock in (*intruders, sniffer, player):
+            sock.close(linger=0)
+        context.term()
+        other.kill()
