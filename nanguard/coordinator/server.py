@@ -118,9 +118,10 @@ class Coordinator:
             raise
         self._thread = threading.Thread(target=self._run, name="nanguard-coordinator", daemon=True)
         self._thread.start()
+        secret = self._curve_secret_key
         log.info("listening on %s (instance %s%s), job %s, logging to %s", self.address, self.instance,
-                 ", CurveZMQ" if self._curve_secret_key else "", self._ranks.job or "(first seen)",
-                 self.log_path)
+                 f", CurveZMQ: clients need NANGUARD_CURVE_PUBLIC_KEY={curve.public_key(secret)}" if secret else "",
+                 self._ranks.job or "(first seen)", self.log_path)
 
     def shutdown(self) -> None:
         """Ask the loop to end (safe from a signal handler); ``serve_forever`` then returns."""

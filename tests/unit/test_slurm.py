@@ -26,7 +26,8 @@ record() {  # name pid node, then the NANGUARD_* environment, then the arguments
     local IFS=$'\x1f'
     local name=$1 pid=$2 node=$3
     shift 3
-    local environ="${NANGUARD_COORDINATOR:-}$IFS${NANGUARD_TOKEN:-}$IFS${NANGUARD_DIR:-}"
+    local environ="${NANGUARD_COORDINATOR:-}$IFS${NANGUARD_TOKEN:-}$IFS${NANGUARD_DIR:-}$IFS"
+    environ+="${NANGUARD_OPERATOR_TOKEN:-}$IFS${NANGUARD_CURVE_SECRET_KEY:-}$IFS${NANGUARD_CURVE_PUBLIC_KEY:-}"
     printf '%s\n' "$name$IFS$pid$IFS$node$IFS$environ$IFS$*" >>"$STUB_LOG"
 }
 """
@@ -57,6 +58,9 @@ done
 exit "$status"
 """,
     "nanguard": r"""
+if [[ $1 == keys ]]; then
+    exec "$REAL_NANGUARD" "$@"
+fi
 record nanguard "$$" "${SLURMD_NODENAME:-}" "$@"
 case $STUB_COORDINATOR in
     real) exec "$REAL_NANGUARD" "$@" ;;
@@ -75,6 +79,9 @@ if [[ $STUB_COORDINATOR == real && $SLURM_NODEID == 0 ]]; then
     "$REAL_NANGUARD" status --json --timeout-s 10 --coordinator "$address" \
         >"$STUB_DIR/status.json" 2>"$STUB_DIR/status.err"
     echo $? >"$STUB_DIR/status.rc"
+    # and what a rank's environment cannot do: stop the job
+    "$REAL_NANGUARD" stop --reason rogue --timeout-s 10 --coordinator "$address" 2>"$STUB_DIR/stop.err"
+    echo $? >"$STUB_DIR/stop.rc"
 fi
 if [[ -n ${STUB_TORCHRUN_SLEEP:-} ]]; then
     sleep "$STUB_TORCHRUN_SLEEP"
@@ -89,7 +96,8 @@ class Call:
         fields = line.split(SEP)
         self.name, self.pid, self.node = fields[0], int(fields[1]), fields[2]
         self.coordinator, self.token, self.dir = fields[3:6]
-        self.args = fields[6:] if fields[6:] != [""] else []
+        self.operator_token, self.curve_secret_key, self.curve_public_key = fields[6:9]
+        self.args = fields[9:] if fields[9:] != [""] else []
 
 
 class Run:
@@ -187,7 +195,7 @@ def test_shellcheck(tool):
 def test_coordinator_on_the_head_then_torchrun_on_every_node(sbatch, tmp_path):
     port = free_port()
     run = sbatch("train.py", "--lr", "3e-4", STUB_COORDINATOR="real", NANGUARD_PORT=str(port),
-                 NANGUARD_METRICS_PORT="0")
+                 NANGUARD_METRICS_PORT="0", NANGUARD_METRICS_HOST="127.0.0.1")
     assert run.returncode == 0, run.stderr
     incidents = tmp_path / "incidents"
 
@@ -197,7 +205,7 @@ def test_coordinator_on_the_head_then_torchrun_on_every_node(sbatch, tmp_path):
     # one coordinator, on the first node, as one overlapping task there
     (coordinator,) = run.of("nanguard")
     assert coordinator.node == "gpu-017"
-    assert coordinator.args == ["coordinator", "--bind", f"tcp://0.0.0.0:{port}", "--metrics-host", "0.0.0.0",
+    assert coordinator.args == ["coordinator", "--bind", f"tcp://0.0.0.0:{port}", "--metrics-host", "127.0.0.1",
                                 "--metrics-port", "0", "--log", str(incidents / "coordinator-4242.jsonl")]
     step = [c for c in run.of("srun") if "nanguard" in c.args][0]
     options = step.args[:step.args.index("--")]
@@ -224,10 +232,46 @@ def test_coordinator_on_the_head_then_torchrun_on_every_node(sbatch, tmp_path):
     assert "ranks" in json.loads((tmp_path / "status.json").read_text())
     assert not [c for c in run.calls if coordinator.token in SEP.join(c.args)], "the token on a command line"
 
+    # the operators' secret: the coordinator's alone, and a file only this user reads
+    assert re.fullmatch(r"[0-9a-f]{64}", coordinator.operator_token)
+    assert {t.operator_token for t in torchruns} == {""}
+    token_file = incidents / "operator-token-4242"
+    assert token_file.read_text().strip() == coordinator.operator_token
+    assert token_file.stat().st_mode & 0o777 == 0o600 and str(token_file) in run.stderr
+    assert not [c for c in run.calls if coordinator.operator_token in SEP.join(c.args)]
+    assert (tmp_path / "stop.rc").read_text().strip() == "1"  # a rank's environment cannot stop the job
+    assert "NANGUARD_OPERATOR_TOKEN" in (tmp_path / "stop.err").read_text()
+
     # ...stopped at the end, its log synced
     assert pid_gone(coordinator.pid)
     assert "stopped; log" in (incidents / "coordinator-4242.out").read_text()
     assert (incidents / "coordinator-4242.jsonl").exists()
+
+
+def test_metrics_listen_on_the_first_nodes_address_not_every_interface(sbatch):
+    run = sbatch()
+    assert run.returncode == 0, run.stderr
+    (coordinator,) = run.of("nanguard")
+    assert pairs(coordinator.args)["--metrics-host"] == "gpu-017"
+    assert "metrics: http://gpu-017:9464/metrics" in run.stderr
+
+
+def test_an_operator_token_given_goes_to_the_coordinator_only(sbatch):
+    run = sbatch(NANGUARD_OPERATOR_TOKEN="ops-secret")
+    assert run.returncode == 0, run.stderr
+    assert [c.operator_token for c in run.of("nanguard")] == ["ops-secret"]
+    assert [c.operator_token for c in run.of("torchrun")] == ["", ""]
+
+
+def test_curve_gives_the_secret_key_to_the_coordinator_and_the_public_one_to_the_ranks(sbatch):
+    from nanguard import curve
+
+    run = sbatch(NANGUARD_CURVE="1")
+    assert run.returncode == 0, run.stderr
+    (coordinator,) = run.of("nanguard")
+    torchruns = run.of("torchrun")
+    assert coordinator.curve_secret_key and {t.curve_secret_key for t in torchruns} == {""}
+    assert {t.curve_public_key for t in torchruns} == {curve.public_key(coordinator.curve_secret_key)}
 
 
 def test_a_given_token_is_passed_on_not_replaced(sbatch):
