@@ -129,6 +129,6 @@ def _warn_about_access(token: str | None, operator_token: str | None, metrics_ho
                     "operator credential, which ranks never hold); `nanguard status` works with NANGUARD_TOKEN")
     elif operator_token is None:
         log.warning("no NANGUARD_TOKEN nor NANGUARD_OPERATOR_TOKEN: whoever reaches the port can act as a "
-                    "rank and stop the job")
+                    "rank and stop the job (fine for a loopback port on a machine of your own)")
     if not is_loopback(f"tcp://[{metrics_host}]:1" if ":" in metrics_host else f"tcp://{metrics_host}:1"):
         log.info("/metrics on %s has no authentication: keep that interface private", metrics_host)

@@ -75,19 +75,49 @@ def test_a_paused_coordinator_marks_no_rank_dead_when_it_resumes(torchrun, coord
     stopped_together(job, "end of the pause test")
 
 
+def welcomed(context: zmq.Context, address: str, codec: Codec) -> tuple[zmq.Socket, str]:
+    """A socket to ``address`` and the coordinator instance its handshake learned."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send_multipart(codec.encode("handshake", {}, to=""))
+    assert sock.poll(20_000), "no welcome"
+    return sock, codec.decode(sock.recv_multipart()).sender
+
+
 @pytest.mark.timeout(300)
 def test_a_restarted_coordinator_reaches_every_rank_with_a_stop(torchrun, coordinator, tmp_path):
     coordinator.start(env=SECRETS)
     job = start_job(torchrun, tmp_path, coordinator.address, NANGUARD_TOKEN=TOKEN)
     coordinator.wait_for("nanguard_ranks_alive", at_least=2)
+    # what a sniffer caught on its way to this instance: an operator's stop, a rank's hello
+    context = zmq.Context()
+    operator, rank = Codec("operator@h:1:a", operator_token=OPERATOR_TOKEN), Codec("rank5@h:1:b", TOKEN)
+    sock, first = welcomed(context, coordinator.address, operator)
+    sniffed = [operator.encode("stop_request", {"reason": "sniffed"}, to=first),
+               rank.encode("hello", {"rank": 1, "local_rank": 1, "world_size": 2, "host": "phantom", "pid": 1,
+                                     "job": status(coordinator)["job"], "device": "cpu", "version": "x"}, to=first)]
+    sock.close(linger=0)
     coordinator.kill()
     time.sleep(1.0)
     coordinator.start(env=SECRETS)  # same port, a new instance that knows nothing of the job
-    coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=30)
-    operator_stop(coordinator, "after the restart")
-    stopped_together(job, "after the restart")
-    # the ranks said hello to the new instance before anything else: nothing of theirs was refused
-    assert coordinator.value("nanguard_bad_messages_total") == 0
+    try:
+        coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=30)
+        # the ranks said hello to the new instance before anything else: nothing of theirs was refused
+        assert coordinator.value("nanguard_bad_messages_total") == 0
+        player, second = welcomed(context, coordinator.address, Codec("player", TOKEN))
+        assert second != first
+        for frames in sniffed:
+            player.send_multipart(frames)
+        coordinator.wait_for("nanguard_bad_message_reasons_total", at_least=2, reason="instance")
+        player.close(linger=0)
+        now = status(coordinator)
+        assert now["stop"] is None and "phantom" not in {r["host"] for r in now["ranks"]}
+        operator_stop(coordinator, "after the restart")
+        stopped_together(job, "after the restart")
+        assert coordinator.value("nanguard_bad_messages_total") == 2
+    finally:
+        context.destroy(linger=0)
 
 
 class Proxy:
