@@ -37,6 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from .protocol import job_name
+
 log = logging.getLogger("nanguard")
 
 _GLOO_WORKER = "pt_gloo_runloop"
@@ -71,7 +73,8 @@ class RankInfo:
 
     @property
     def job(self) -> str:
-        return self.run_id or "local"
+        """The job as the coordinator knows it (a run id too long for the wire is shortened)."""
+        return job_name(self.run_id)
 
     @classmethod
     def from_env(cls) -> RankInfo:

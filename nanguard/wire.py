@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import event_values
-from .protocol import IDENTITY_FIELDS, ORIGINS, POLICIES, STOP_REASONS
+from .protocol import IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, POLICIES, STOP_REASONS
 
 VERSION = 1
 MAX_BYTES = 64 * 1024
@@ -145,7 +145,7 @@ _RANK = _integer(0, MAX_RANK - 1)
 _WORLD = _integer(1, MAX_RANK)
 _COUNT = _integer(0, _MAX_SEQ)
 _PID = _integer(0, (1 << 32) - 1)
-_JOB = _text(128)
+_JOB = _text(MAX_JOB_LENGTH)
 _HOST = _text(255)
 _COMMAND_ID = _text(64)
 _REASON = _text(500)

@@ -28,6 +28,7 @@ from .._tree import map_tensors
 from ..errors import IncidentError
 from ..events import Event
 from .fsio import fsync_dir, write_json, write_torch
+from .batches import encode
 from .manifest import (
     BATCHES,
     ENVIRONMENT,
@@ -148,7 +149,8 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
                environment: Mapping[str, Any]) -> dict[str, Any]:
     """Writes this rank's part of the incident as ``<incident_dir>/rank<rank>``, all of it or nothing.
 
-    ``batches`` (already ``to_cpu``'ed) is None when the batch must not be written to disk;
+    ``batches`` (the micro-batches as fed, written as data: ``batches.encode``, tensors copied to
+    the CPU) is None when the batch must not be written to disk;
     ``rng`` is an ``rng_snapshot()``; ``environment`` an ``environment_record()``. States are
     saved as given (tensors on any device; ``torch.load`` puts them on the CPU).
     Returns the rank record for ``finalize``: {"rank": k, "files": {"rank<k>/state.pt":
@@ -169,7 +171,7 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
         ENVIRONMENT: lambda p: write_json(p, environment),
     }
     if batches is not None:
-        contents[BATCHES] = lambda p: write_torch(p, list(batches))
+        contents[BATCHES] = lambda p: write_torch(p, encode(list(batches)))
     try:
         # left over by a killed process that had our pid (pids repeat across containers): ours now
         shutil.rmtree(tmp, ignore_errors=True)
@@ -280,8 +282,8 @@ class RankPart:
     extra_states: Mapping[str, Any] = field(default_factory=dict)
     """other state_dicts by name ("scaler", "scheduler", ...)"""
     batches: list[Any] | None = None
-    """the step's micro-batches as fed, [{"args": ..., "kwargs": ...}, ...]; copied to the CPU when
-    written; None: the batch must not go to disk"""
+    """the step's micro-batches as fed, [{"args": ..., "kwargs": ...}, ...]; copied to the CPU as
+    data when written (``batches.encode``); None: the batch must not go to disk"""
     settings: Any = None
     """the guard's settings as plain data (no secrets), for environment.json"""
 
@@ -334,7 +336,7 @@ def _write_part(path: str, rank: int, world_size: int,
         part = collect()
         return write_rank(
             path, rank, model_state=part.model_state, optimizer_state=part.optimizer_state,
-            extra_states=part.extra_states, batches=None if part.batches is None else to_cpu(part.batches),
+            extra_states=part.extra_states, batches=part.batches,
             rng=part.rng, events=part.events,
             environment=environment_record(rank=rank, world_size=world_size, settings=part.settings))
     except Exception:  # noqa: BLE001

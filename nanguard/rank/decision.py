@@ -10,17 +10,25 @@ ranks look closer (``diagnose``) and agree on the job's first event.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._dist import Collectives
+from .._dist import Collectives, RankInfo
+from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
-from . import forensics
+from . import diagnose, forensics
+from .detector import Detector
 from .diagnose import Finding
+
+if TYPE_CHECKING:
+    from ..replay import StepObserver
+    from .respond import Responder
 
 
 @dataclass(slots=True)
@@ -141,3 +149,96 @@ def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Decider:
+    """Runs each step's decision for a guard: read, diagnose and agree when bad, then respond
+    (``respond.py``) and tell the step observer (a replay) and the coordinator."""
+
+    def __init__(self, settings: Settings, detector: Detector, collectives: Collectives, clock: StepClock,
+                 identity: RankInfo, respond: Responder, observer: StepObserver):
+        self.settings = settings
+        self.detector = detector
+        self.collectives = collectives
+        self.clock = clock
+        self.identity = identity
+        self.respond = respond
+        self.observer = observer
+        self._early: diagnose.Finding | None = None
+        """a bad step found by settle_early(), waiting for the next decision"""
+
+    def settle_early(self) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally."""
+        log = self.detector.log
+        if log.values and self._early is None:
+            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False)
+            if reading.bad:
+                self._early = diagnose.first_bad(self.detector.catalog, log, reading.probes, self._event)
+        self.detector.reset()
+        if self._early is not None and not self.clock.optimizer_seen:
+            self._respond_to(self._take_early(), None, together=False)
+
+    def _take_early(self) -> diagnose.Finding:
+        finding, self._early = self._early, None
+        return finding
+
+    def decide(self, optimizer: torch.optim.Optimizer | None, collective: bool,
+                gradients_too: bool = True) -> None:
+        collectives = self.collectives if collective and self.collectives.active else None
+        detector = self.detector
+        owners, grads = (gradients(params(optimizer)) if optimizer is not None and gradients_too
+                         else ([], []))
+        reading = read_step(detector.log.values, grad_norms(grads),
+                            detector.bucket_probes if gradients_too else [], collectives,
+                            early=self._early is not None, stop=self.respond.reporter.stop_requested,
+                            watches_buckets=detector.watches_buckets)
+        if reading is None:  # nothing checked, nobody to agree with
+            detector.reset()
+            if self._early is not None:
+                self._respond_to(self._take_early(), optimizer, together=False)
+            self._clean(stop=self.respond.reporter.stop_requested)
+            return
+        if reading.bad:
+            local = self._take_early() if self._early is not None else diagnose.first_bad(
+                detector.catalog, detector.log, reading.probes, self._event, owners, grads,
+                reading.local_grads_bad)
+            first = agree(collectives, local)
+            if first is not None:
+                if local is not None and first.event.rank != local.event.rank:
+                    # what this rank saw, beside the job's first event
+                    self.respond.note(local, self.settings.on_nan)
+                try:
+                    self._respond_to(first, optimizer, together=collectives is not None)
+                finally:
+                    detector.reset()  # the step's batches were held for the capture until here
+                # on_nan warn or skip: training goes on, so the step counts as one like any other
+                self._report_step(reading.stop)
+                return
+        detector.reset()
+        self._clean(reading.stop)
+        if reading.norms:
+            self.respond.watch_norms(reading.norms, owners, self._event)
+
+    def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
+                    together: bool) -> None:
+        self.respond.note(finding, self.settings.on_nan)
+        self.observer.decided(finding.event)  # a replay ends here
+        self.respond.act(finding.event, optimizer, together)
+
+    def _clean(self, stop: bool) -> None:
+        """After a step found clean: a replay ends here, then the step is reported."""
+        self.observer.decided(None)
+        self._report_step(stop)
+
+    def _report_step(self, stop: bool) -> None:
+        """The coordinator hears of the step, and a stop requested here or on any rank is raised
+        (every rank takes this decision at the same step: ``stop`` was all-reduced)."""
+        self.respond.reporter.heartbeat(self.clock.index, self.respond.last_grad_norm)
+        if stop:
+            self.respond.stop(self.clock.index)
+
+    def _event(self, fields: dict[str, Any]) -> Event:
+        return Event(rank=self.collectives.rank, step=self.clock.index, host=self.identity.host,
+                     time=time.time(), **fields)
+
+

@@ -9,6 +9,7 @@ until the next step's decision reads them.
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 
 import torch
@@ -17,6 +18,8 @@ from .. import __version__
 from .._dist import Collectives, RankInfo
 from ..config import Settings
 from ..events import Event
+
+log = logging.getLogger("nanguard")
 
 
 class Reporter:
@@ -45,6 +48,17 @@ class Reporter:
 
     def close(self) -> None:
         """Send what is queued (bounded time) and stop."""
+
+
+def connect(settings: Settings, identity: RankInfo, group: Collectives) -> Reporter:
+    """A reporter to ``settings.coordinator``; a coordinator link that cannot be made is logged and
+    training goes on guarded locally (nanguard.init never fails because of the coordinator)."""
+    try:
+        return CoordinatorReporter(settings, identity, group)
+    except ValueError as exc:
+        log.error("nanguard: no link to the coordinator at %s (%s); this rank is guarded locally and "
+                  "reports nothing", settings.coordinator, exc)
+        return Reporter()
 
 
 class CoordinatorReporter(Reporter):

@@ -87,9 +87,9 @@ class Replay(StepObserver):
         self.rank = rank
         self.world = world
         self.state = incident.rank_state(rank)
-        self.batches = incident.rank_batches(rank)
-        self.rng = incident.rank_rng(rank)
         self.notes: list[str] = []
+        self.batches = incident.rank_batches(rank, self.notes)
+        self.rng = incident.rank_rng(rank)
         self._forwards = 0
         self.trace = Trace(lambda: self._forwards - 1)
         self._model_loaded = False
