@@ -3,7 +3,9 @@
 Containers are tuples (namedtuples and ``torch.Size`` included), lists, mappings (dicts,
 ``OrderedDict``, ``UserDict`` such as Hugging Face's ``BatchEncoding``, ``ModelOutput``) and
 dataclass instances; anything else is a leaf. Nesting deeper than ``MAX_DEPTH`` is not entered.
-Both functions see the same tensors in the same order: what is checked is what is captured.
+Both functions see the same tensors of containers in the same order: what is checked is what is
+captured. ``floating_tensors`` also looks into the attributes of other objects that hold tensors
+(a ``torch.distributions.Normal`` a module returns), which a capture keeps only by name.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ def _items(obj: Any) -> Iterable[Any] | None:
     return None
 
 
+def _held(obj: Any) -> Iterable[Any] | None:
+    """The attributes of an object that are tensors or containers (not other objects, so that a
+    walk never wanders through a model or a tokenizer), or None."""
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(obj, (type, torch.nn.Module)):
+        return None
+    return [value for value in attributes.values() if isinstance(value, torch.Tensor) or _items(value) is not None]
+
+
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in ``obj``, in order."""
     if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # a hook's common call
         return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() or obj.is_complex() else []
-    items = _items(obj) if _depth < MAX_DEPTH else None
+    items = (_items(obj) or _held(obj)) if _depth < MAX_DEPTH else None
     if items is None:
         return []
     found: list[torch.Tensor] = []

@@ -71,25 +71,32 @@ class Reading:
     stop: bool
     """a stop was requested, on some rank"""
     probes: list[float]
+    """minimum and maximum of every OUT and CHECK probe, flattened"""
     norms: list[float]
+    evidence: list[float]
+    """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
     local_grads_bad: bool | None
     """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
-              collectives: Collectives | None, *, early: bool, stop: bool,
-              watches_buckets: bool) -> Reading | None:
+              collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
+              evidence: list[torch.Tensor] = ()) -> Reading | None:
     """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
-    None when there is nothing to read and no one to agree with.
+    ``evidence`` is read with the rest but cannot make the step bad. None when there is nothing
+    to read and no one to agree with.
     """
-    parts = probes + norms + buckets
+    faults = probes + norms + buckets
+    parts = faults + list(evidence)
     if not parts and collectives is None:
         return None
     vector = stack(parts) if parts else torch.zeros(0, device=collectives.device())
     if collectives is not None:
-        flags = torch.stack([vector.sum() + (math.nan if early else 0.0),
+        # x * 0 is 0 for every finite x and NaN otherwise: a sum of huge finite values cannot overflow
+        fault = vector[:len(faults)].mul(0).sum()
+        flags = torch.stack([fault + (math.nan if early else 0.0),
                              torch.full((), float(stop), device=vector.device)])
         collectives.all_reduce(flags)
         vector = torch.cat([flags, vector])
@@ -98,10 +105,10 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
         (flag, stop_sum), values = values[:2], values[2:]
         bad, stop = not math.isfinite(flag), bool(stop_sum)
     else:
-        bad = early or not math.isfinite(sum(values))
-    split = len(probes) + len(norms)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split],
-                   not math.isfinite(sum(values[split:])) if watches_buckets else None)
+        bad = early or not all(map(math.isfinite, values[:len(faults)]))
+    split, end = len(probes) + len(norms), len(faults)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[end:],
+                   not all(map(math.isfinite, values[split:end])) if watches_buckets else None)
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -171,9 +178,10 @@ class Decider:
         """Too many probes without a step (a long eval loop): read them now, locally."""
         log = self.detector.log
         if log.values and self._early is None:
-            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False)
+            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
+                                evidence=log.evidence)
             if reading.bad:
-                self._early = diagnose.first_bad(self.detector.catalog, log, reading.probes, self._event)
+                self._early = diagnose.first_bad(self.detector.catalog, log, reading, self._event)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)
@@ -186,12 +194,11 @@ class Decider:
                 gradients_too: bool = True) -> None:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
-        owners, grads = (gradients(params(optimizer)) if optimizer is not None and gradients_too
-                         else ([], []))
-        reading = read_step(detector.log.values, grad_norms(grads),
+        owners, grads, norms = self._gradients(optimizer) if gradients_too else ([], [], [])
+        reading = read_step(detector.log.values, norms,
                             detector.bucket_probes if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
-                            watches_buckets=detector.watches_buckets)
+                            watches_buckets=detector.watches_buckets, evidence=detector.log.evidence)
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             if self._early is not None:
@@ -200,8 +207,7 @@ class Decider:
             return
         if reading.bad:
             local = self._take_early() if self._early is not None else diagnose.first_bad(
-                detector.catalog, detector.log, reading.probes, self._event, owners, grads,
-                reading.local_grads_bad)
+                detector.catalog, detector.log, reading, self._event, owners, grads)
             first = agree(collectives, local)
             if first is not None:
                 if local is not None and first.event.rank != local.event.rank:
@@ -218,6 +224,19 @@ class Decider:
         self._clean(reading.stop)
         if reading.norms:
             self.respond.watch_norms(reading.norms, owners, self._event)
+
+    def _gradients(self, optimizer: torch.optim.Optimizer | None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+        """(parameters, their gradients now, norms of their gradients as the backward pass left them,
+        or as they are now where it was not watched)."""
+        if optimizer is None:
+            return [], [], []
+        produced = self.detector.log.produced
+        if produced is None:
+            owners, grads = gradients(params(optimizer))
+            return owners, grads, grad_norms(grads)
+        owners, norms = produced
+        return owners, [None if p.grad is None else forensics.plain(p.grad) for p in owners], norms
 
     def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
                     together: bool) -> None:

@@ -1,18 +1,25 @@
 """Hooks and device flags: find non-finite values without syncing the host. No I/O.
 
-Every checked tensor leaves one *probe*: a 0-d device tensor (its float32 sum, exact for
-NaN and Inf: NaN + x = NaN, Inf + -Inf = NaN) appended to the step's log with a record of what
-it looked at. Nothing is read on the hot path: the decision stacks the step's probes (and the
-gradient norms) into one small vector and reads it once per optimizer step; only when a value
-in it is non-finite does the diagnosis look at the records one by one.
+Every checked tensor leaves one *probe*: its minimum and maximum, two 0-d device tensors from one
+reduction (``torch.aminmax``), appended to the step's log with a record of what it looked at.
+The probe is exact: a NaN makes both NaN, +Inf the maximum, -Inf the minimum, and a finite
+tensor's extremes are finite (a float32 sum, by contrast, overflows on huge finite values).
+Nothing is read on the hot path: the decision stacks the step's probes (and the gradient norms)
+into one small vector and reads it once per optimizer step; only when a value in it is
+non-finite does the diagnosis look at the records one by one.
 
 What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
   that is just a child's output is recognised and not checked again);
 - the inputs of a module, unless they are outputs already probed and not modified in place
-  since (so a value born in code *between* modules is told apart from one born inside);
-- the root module's inputs (the batch), tensors given to ``Guard.check``, and each DDP gradient
-  bucket before its all-reduce.
+  since (so a value born in code *between* modules is told apart from one born inside). These are
+  evidence, not faults: models pass -inf on purpose (additive attention masks), so a non-finite
+  input never stops a step by itself; it tells where a value that did reach an output came from;
+- the root module's inputs (the batch, evidence too, checked only once a step is bad), tensors
+  given to ``Guard.check``, and each DDP gradient bucket before its all-reduce;
+- the parameters' gradients as the backward pass leaves them (``StepLog.produced``), before the
+  training loop clips, unscales or otherwise rewrites them, so that what it does to them cannot
+  move the blame.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 
 from .._tree import floating_tensors
 from . import forensics
+from .backward import BackwardWatch, probe
 from .modules import plain_names, type_name
 from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 
@@ -39,21 +47,6 @@ _FINITE_PRESERVING = (
     nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
-
-
-def probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d tensor that is non-finite when ``tensor`` has a NaN or an Inf (no host sync).
-
-    Half-precision tensors are summed in float32. A float32 sum can also overflow on huge
-    finite values (|sum| > 3.4e38): the diagnosis confirms such a case exactly when it can.
-    """
-    return _sum(forensics.plain(tensor))
-
-
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        return tensor.sum(dtype=torch.float32)
-    return tensor.sum()
 
 
 class Detector:
@@ -69,14 +62,13 @@ class Detector:
         self.keep_batches = keep_batches
         self.catalog = Catalog()
         self.log = StepLog()
-        self.watches_buckets = False
         self._detail_bytes = detail_bytes
         self._kept_bytes = 0
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-        self._zeros: dict[torch.device, torch.Tensor] = {}
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._forwards: dict[int, int] = {}
+        self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -109,7 +101,7 @@ class Detector:
             self._handles.append(module.register_forward_hook(self._make_hook(slot, mode, leaf)))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
-                self._watch_buckets(module)
+                self.backward.watch_ddp(module)
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))
@@ -122,36 +114,11 @@ class Detector:
         catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module)))
         self._modules[module] = slot
         for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in catalog.param_names:
+                self.backward.add_parameter(param)
             catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
             catalog.param_owner.setdefault(id(param), slot)
         return slot
-
-    def _watch_buckets(self, ddp: nn.Module) -> None:
-        """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
-        NaN born in its own backward from one the all-reduce brought in from another rank.
-
-        DDP takes one communication hook: ours does the default all-reduce, and a hook the
-        user registers later is called by ours instead (it replaces the default).
-        """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
-        buckets = self.log.buckets
-
-        def bucket_hook(state, bucket):
-            if self._handles:  # still attached
-                buckets.append(probe(bucket.buffer()))
-            return route["hook"](route["state"], bucket)
-
-        def register_comm_hook(state, hook):
-            route["state"], route["hook"] = state, hook
-
-        try:
-            ddp.register_comm_hook(None, bucket_hook)
-        except RuntimeError:
-            return  # the user registered a hook first: no per-rank origin for backward NaNs
-        ddp.register_comm_hook = register_comm_hook
-        self.watches_buckets = True
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -174,6 +141,8 @@ class Detector:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         local = forensics.plain(tensor)
+        if not local.numel():
+            return  # nothing in it can be non-finite
         kept: Any = None
         if self._kept_bytes < self._detail_bytes:
             # Keep the step's first tensors (up to a byte budget) so a bad one can be described
@@ -184,17 +153,12 @@ class Detector:
                 kept = local
         ref = weakref.ref(tensor)
         if kept is None:
-            kept, lazy = ref, False
+            kept = ref  # beyond the budget: described only while the tensor is still alive
         log = self.log
-        log.values.append(self._zero(local.device) if lazy else _sum(local))
+        if not lazy:
+            (log.evidence if role == IN else log.values).extend(torch.aminmax(local))
         log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
         self._seen[id(tensor)] = (ref, tensor._version)
-
-    def _zero(self, device: torch.device) -> torch.Tensor:
-        zero = self._zeros.get(device)
-        if zero is None:
-            zero = self._zeros[device] = torch.zeros((), device=device)
-        return zero
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
@@ -222,8 +186,9 @@ class Detector:
                 # and only leaves: without identity tracking a container would re-check.
                 if mode == CHECK_MODE and leaf:
                     for tensor in floating_tensors(output):
-                        log.values.append(probe(tensor))
-                        log.records.append(compiled)
+                        if tensor.numel():
+                            log.values.extend(probe(tensor))
+                            log.records.append(compiled)
                 return None
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
@@ -264,7 +229,10 @@ class Detector:
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):
-        if self.on_root_end is not None and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return None
+        self.backward.forward_done(output)
+        if self.on_root_end is not None:
             self.on_root_end()
         return None
 
@@ -277,12 +245,16 @@ class Detector:
     @property
     def pending(self) -> int:
         """Probes made since the last decision."""
-        return len(self.log.values)
+        return len(self.log.records)
 
     @property
     def bucket_probes(self) -> list[torch.Tensor]:
         """Probes of this step's local gradients before DDP's all-reduce (read with the rest)."""
         return self.log.buckets
+
+    @property
+    def watches_buckets(self) -> bool:
+        return self.backward.watches_buckets
 
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""

@@ -82,6 +82,8 @@ class Guard:
         observer.optimizers(optimizers, self._respond.states)
         if "scaler" in self._respond.states:
             self._undo.append(patch_scaler_update(self._respond.states["scaler"], self._after_scaler_update))
+            # scaled until the scaler unscales them: the gradients are taken at the optimizer step
+            self._detector.backward.snapshot_gradients = False
         if model is not None:
             self._attach(model)
         else:

@@ -16,7 +16,8 @@ import torch
 
 OUT, IN, BATCH, CHECK = range(4)
 """what a probe looked at: a module's output, a module's input that nothing had checked, the
-batch given to a root module, a tensor given to ``Guard.check``"""
+batch given to a root module, a tensor given to ``Guard.check``. OUT and CHECK probes can stop a
+step; IN and BATCH probes are evidence of where a value came from"""
 MAX_CHECK_NAMES = 1024
 
 
@@ -87,7 +88,10 @@ class StepLog:
     """One step's probes, in the order they were made, until its decision."""
 
     values: list[torch.Tensor] = field(default_factory=list)
-    """0-d device tensors, non-finite when their tensor is (read once, by the decision)"""
+    """(minimum, maximum) of every OUT and CHECK probe, flattened: 0-d device tensors, non-finite
+    when their tensor is (read once, by the decision)"""
+    evidence: list[torch.Tensor] = field(default_factory=list)
+    """the same for IN probes: read with the rest, but never a reason to stop"""
     records: list[Probe] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     """(first probe index, root slot, micro-batch) of every root forward"""
@@ -95,10 +99,27 @@ class StepLog:
     """probes of DDP gradient buckets before their all-reduce"""
     batches: list[tuple[int, tuple, dict]] = field(default_factory=list)
     """(root slot, args, kwargs) of every root forward: references, no copies"""
+    produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """(parameters, the norms of their gradients) as the last backward pass left them"""
 
     def clear(self) -> None:
-        for part in (self.values, self.records, self.spans, self.buckets, self.batches):
+        for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
             part.clear()
+        self.produced = None
+
+    def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
+        """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""
+        positions = {OUT: 0, IN: 0}  # OUT and CHECK share one list
+        out: list[tuple[float, float] | None] = []
+        for record in self.records:
+            if record.role == BATCH:
+                out.append(None)
+                continue
+            group, values = (IN, evidence) if record.role == IN else (OUT, probes)
+            i = positions[group]
+            positions[group] = i + 2
+            out.append((values[i], values[i + 1]))
+        return out
 
     def micro_batch_of(self, index: int) -> int | None:
         """Which forward of its root (within the step) probe ``index`` was made in."""

@@ -17,6 +17,7 @@ from ..incident import RankPart, capture_incident, rng_snapshot
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
+from . import forensics
 from .decision import params
 from .detector import Detector
 from .diagnose import Finding
@@ -109,6 +110,7 @@ class Responder:
 
     def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
+        norms = [n if math.isfinite(n) else _exact_norm(p, n) for n, p in zip(norms, owners)]
         norm = math.hypot(*norms)
         self.last_grad_norm = norm
         if self.settings.param_grad_norms:
@@ -145,6 +147,15 @@ class Responder:
                       event.step, self.incident, self.incident)
         if self.incident is not None and self.group.rank == 0:
             self.reporter.captured(event.step, self.incident)
+
+
+def _exact_norm(param: torch.Tensor, norm: float) -> float:
+    """The norm of a finite gradient that overflowed its fused float computation (values past
+    ~1e19), again in float64: rare, and exactly when a grad_norm warning must not vanish."""
+    grad = param.grad
+    if grad is None or not forensics.is_finite(grad):
+        return norm
+    return float(torch.linalg.vector_norm(forensics.plain(grad).double()))
 
 
 def model_to_save(roots: list) -> nn.Module | None:
