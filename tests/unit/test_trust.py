@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from test_guard import GradFault
 from torch import nn
 
 import nanguard
-from test_guard import GradFault
 
 
 class MaskedAttention(nn.Module):
