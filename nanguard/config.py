@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .protocol import POLICIES, Policy, parse_address
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -45,7 +45,7 @@ class Event:
     """Where and what: one non-finite tensor (or a gradient-norm warning) seen on one rank."""
 
     kind: str
-    """forward | loss | check | backward | grad | grad_norm | spike"""
+    """forward | loss | check | backward | grad | buffer | grad_norm | spike"""
     rank: int
     step: int
     """0-based index of the optimizer step it happened in"""
@@ -105,6 +105,7 @@ class Event:
             "check": "non-finite value in",
             "backward": "non-finite gradient flowing into the output of",
             "grad": "non-finite gradient of",
+            "buffer": "non-finite buffer",
             "grad_norm": "large gradient norm",
             "spike": "gradient norm spike",
         }[self.kind]

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 # --- events ---------------------------------------------------------------------------------
-STOP_KINDS = ("forward", "loss", "check", "backward", "grad")
+STOP_KINDS = ("forward", "loss", "check", "backward", "grad", "buffer")
 """event kinds that stop a step"""
 WARN_KINDS = ("grad_norm", "spike")
 """event kinds that only warn"""
 KINDS = STOP_KINDS + WARN_KINDS
-FIRST_EVENT_ORDER = {"forward": 0, "check": 1, "loss": 1, "backward": 2, "grad": 3}
+FIRST_EVENT_ORDER = {"forward": 0, "buffer": 1, "check": 1, "loss": 1, "backward": 2, "grad": 3}
 """which kind is the job's first event when several ranks saw something in one step: a forward
 producer beats what it poisoned downstream (the loss, then the gradients)"""
 

@@ -12,7 +12,17 @@ import torch
 from ..errors import IncidentError, ProtocolError
 from ..events import Event
 from .batches import decode
-from .manifest import BATCHES, ENVIRONMENT, EVENTS, MANIFEST, REPLAY, RNG, STATE, check_manifest, rank_folder
+from .manifest import (
+    BATCHES,
+    ENVIRONMENT,
+    EVENTS,
+    MANIFEST,
+    REPLAY,
+    RNG,
+    STATE,
+    check_manifest,
+    rank_folder,
+)
 
 
 def _json(path: str) -> Any:

@@ -27,8 +27,8 @@ from .. import __version__
 from .._tree import map_tensors
 from ..errors import IncidentError
 from ..events import Event
-from .fsio import fsync_dir, write_json, write_torch
 from .batches import encode
+from .fsio import fsync_dir, write_json, write_torch
 from .manifest import (
     BATCHES,
     ENVIRONMENT,

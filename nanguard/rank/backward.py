@@ -46,7 +46,9 @@ class BackwardWatch:
         DDP takes one communication hook: ours does the default all-reduce, and a hook the
         user registers later is called by ours instead (it replaces the default).
         """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
         buckets = self.log.buckets

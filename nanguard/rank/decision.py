@@ -76,19 +76,21 @@ class Reading:
     evidence: list[float]
     """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
     local_grads_bad: bool | None
+    buffers: list[float] = ()
+    """norms of the buffers the step wrote"""
     """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
               collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
-              evidence: list[torch.Tensor] = ()) -> Reading | None:
+              evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = ()) -> Reading | None:
     """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
     ``evidence`` is read with the rest but cannot make the step bad. None when there is nothing
     to read and no one to agree with.
     """
-    faults = probes + norms + buckets
+    faults = probes + norms + buckets + list(buffers)
     parts = faults + list(evidence)
     if not parts and collectives is None:
         return None
@@ -106,9 +108,10 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
         bad, stop = not math.isfinite(flag), bool(stop_sum)
     else:
         bad = early or not all(map(math.isfinite, values[:len(faults)]))
-    split, end = len(probes) + len(norms), len(faults)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[end:],
-                   not all(map(math.isfinite, values[split:end])) if watches_buckets else None)
+    split, end = len(probes) + len(norms), len(faults) - len(buffers)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[len(faults):],
+                   not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
+                   values[end:len(faults)])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -195,10 +198,12 @@ class Decider:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
         owners, grads, norms = self._gradients(optimizer) if gradients_too else ([], [], [])
+        written = detector.buffers.written()
         reading = read_step(detector.log.values, norms,
                             detector.bucket_probes if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
-                            watches_buckets=detector.watches_buckets, evidence=detector.log.evidence)
+                            watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
+                            buffers=detector.buffers.norms(written))
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             if self._early is not None:
@@ -207,7 +212,7 @@ class Decider:
             return
         if reading.bad:
             local = self._take_early() if self._early is not None else diagnose.first_bad(
-                detector.catalog, detector.log, reading, self._event, owners, grads)
+                detector.catalog, detector.log, reading, self._event, owners, grads, written)
             first = agree(collectives, local)
             if first is not None:
                 if local is not None and first.event.rank != local.event.rank:

@@ -35,6 +35,7 @@ from torch import nn
 from .._tree import floating_tensors
 from . import forensics
 from .backward import BackwardWatch, probe
+from .buffers import Buffers
 from .modules import plain_names, type_name
 from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 
@@ -69,6 +70,7 @@ class Detector:
         self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
+        self.buffers = Buffers()
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -111,8 +113,10 @@ class Detector:
     def _register(self, module: nn.Module, qualified: str) -> int:
         catalog = self.catalog
         slot = len(catalog.slots)
-        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module)))
+        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module),
+                                  container=next(module.children(), None) is not None))
         self._modules[module] = slot
+        self.buffers.attach(module, qualified)
         for pname, param in module.named_parameters(recurse=False):
             if id(param) not in catalog.param_names:
                 self.backward.add_parameter(param)
@@ -218,8 +222,10 @@ class Detector:
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
         log = self.log
-        if not log.spans and self.on_step_start is not None:
-            self.on_step_start()
+        if not log.spans:
+            self.buffers.step_started()
+            if self.on_step_start is not None:
+                self.on_step_start()
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
@@ -259,6 +265,7 @@ class Detector:
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
         self.log.clear()
+        self.buffers.forget()
         self._seen.clear()
         self._kept_bytes = 0
         self._forwards.clear()

@@ -40,12 +40,16 @@ class Finding:
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
-              owners: list[torch.Tensor] = (), grads: list[torch.Tensor] = ()) -> Finding | None:
-    """The step's first non-finite value: a module output or a checked tensor, else a parameter
-    gradient. ``reading``: what the decision read; ``owners``/``grads``: the parameters that have
-    a gradient and those gradients. None when nothing is bad (a norm that overflowed on finite
-    gradients)."""
+              owners: list[torch.Tensor] = (), grads: list[torch.Tensor] = (),
+              written: list[tuple[str, torch.Tensor]] = ()) -> Finding | None:
+    """The step's first non-finite value: a module output or a checked tensor, else a buffer the
+    forward wrote, else a parameter gradient. ``reading``: what the decision read;
+    ``owners``/``grads``: the parameters that have a gradient and those gradients; ``written``:
+    the buffers the step wrote, by name. None when nothing is bad (a norm that overflowed on finite
+    values)."""
     fields = forward_fields(catalog, log, log.extremes(reading.probes, reading.evidence))
+    if fields is None:
+        fields = buffer_fields(catalog, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
     fields = gradient_fields(catalog, log, owners, grads, reading.norms)
@@ -161,6 +165,22 @@ def _explain_output(module: torch.nn.Module | None, message: str | None) -> dict
             "message": _join(note, message)}
 
 
+def buffer_fields(catalog: Catalog, written: list[tuple[str, torch.Tensor]],
+                  norms: list[float]) -> dict[str, Any] | None:
+    """Event fields of the first buffer the step's forward wrote non-finite (its outputs were
+    finite: BatchNorm's running statistics can overflow while its normalised output does not)."""
+    bad = next(((name, b) for (name, b), n in zip(written, norms)
+                if not math.isfinite(n) and not forensics.is_finite(b)), None)
+    if bad is None:
+        return None
+    name, buffer = bad
+    owner = next((s for s in catalog.slots if s.name == name.rpartition(".")[0]), None)
+    return {"kind": "buffer", "layer": name, "module_type": owner.module_type if owner else "",
+            **forensics.describe(buffer),
+            "message": "written by this step's forward, whose outputs were finite; the buffer is put"
+                       " back as it was before the step when the step is stopped or skipped"}
+
+
 def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                     grads: list[torch.Tensor | None], norms: list[float]) -> dict[str, Any] | None:
     """Event fields of the first non-finite parameter gradient in backward order, or None.
@@ -174,7 +194,7 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
         not math.isfinite(n) and (g is None or not forensics.is_finite(g)))]
     if not bad:
         return None  # norms that overflowed on finite gradients
-    order = {slot: i for i, slot in enumerate(log.backward_order())}
+    order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
     owner_of = catalog.param_owner
     bad.sort(key=lambda pg: order.get(owner_of.get(id(pg[0]), -1), len(order)))
     param, grad = bad[0]

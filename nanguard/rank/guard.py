@@ -66,7 +66,7 @@ class Guard:
                                   dict(states or {}), on_stop,
                                   lambda: model_to_save(self._roots),
                                   lambda model: step_inputs(self._detector, model, self._rng),
-                                  self._detector.catalog.param_name)
+                                  self._detector.catalog.param_name, self._detector.buffers)
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
         if settings.disable:

@@ -28,6 +28,8 @@ class Slot:
     name: str
     module_type: str
     module: weakref.ref
+    container: bool = False
+    """has children: its own parameters (a ViT's cls_token) are used where its forward begins"""
 
 
 @dataclass(slots=True)
@@ -126,10 +128,19 @@ class StepLog:
         position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
         return self.spans[position][2] if position >= 0 else None
 
-    def backward_order(self) -> list[int]:
-        """Module slots in the order their gradients are produced: reverse of execution order."""
-        order: dict[int, None] = {}
-        for record in self.records:
+    def backward_order(self, slots: list[Slot]) -> list[int]:
+        """Module slots in the order their gradients are produced: the reverse of the order in
+        which they began. A leaf begins at its first probe; a container at the first probe of its
+        subtree, so its own parameters count as used first (a compiled graph probes a root that
+        owns parameters only at its end, which must not put them first in backward order)."""
+        began: dict[int, int] = {}
+        for index, record in enumerate(self.records):
             if record.role in (OUT, IN):
-                order.setdefault(record.slot, None)
-        return list(reversed(order))
+                began.setdefault(record.slot, index)
+        for slot, info in enumerate(slots):
+            if info.container:
+                prefix = f"{info.name}." if info.name else ""
+                inside = [i for s, i in began.items() if s == slot or slots[s].name.startswith(prefix)]
+                if inside:
+                    began[slot] = min(inside)
+        return sorted(began, key=lambda slot: -began[slot])

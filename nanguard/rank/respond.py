@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from .._dist import Collectives, RankInfo
-from ..incident import RankPart, capture_incident, rng_snapshot
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
+from ..incident import RankPart, capture_incident, rng_snapshot
 from . import forensics
+from .buffers import Buffers
 from .decision import params
 from .detector import Detector
 from .diagnose import Finding
@@ -48,7 +49,7 @@ class Responder:
                  events: EventLog, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
                  model_to_save: Callable[[], nn.Module | None],
                  step_inputs: Callable[[nn.Module | None], tuple[list, dict[str, Any]]],
-                 param_name: Callable[[torch.Tensor], str]):
+                 param_name: Callable[[torch.Tensor], str], buffers: Buffers):
         self.settings = settings
         self.identity = identity
         self.group = group
@@ -58,6 +59,7 @@ class Responder:
         self.on_stop = on_stop
         self.model_to_save = model_to_save
         self.step_inputs = step_inputs
+        self.buffers = buffers
         self.param_name = param_name
         self.incident: str | None = None
         self.skipped_steps = 0
@@ -82,6 +84,8 @@ class Responder:
         message = f"{event}; {_action(policy, world, optimizer is not None)}"
         if event.rank == group.rank:
             log.error("nanguard: %s", message)
+        if policy != "warn":
+            self.buffers.restore()  # the step does not happen: what its forward wrote goes back
         wanted = policy == "raise" and self.settings.capture is not False or (
             policy == "skip" and self.settings.capture)
         if wanted and (together or not group.active):
@@ -101,6 +105,7 @@ class Responder:
         """A stop was requested (here, or on another rank): raise it, before the update."""
         taken = self.reporter.take_stop()
         reason, origin = taken or ("requested by the coordinator through another rank", "policy")
+        self.buffers.restore()
         error = StopRequested(f"stop requested ({reason}) at step {step}; stopping all ranks before the"
                               " optimizer step", step=step, reason=reason)
         self.reporter.stopped(step, origin)

@@ -153,3 +153,17 @@ def test_an_infinite_input_alone_never_stops_and_an_output_made_from_it_is_born_
     # the same mask where every output stays finite: nothing to report
     log = log_of(record(IN, 2, mask), record(OUT, 2, torch.ones(2)))
     assert first_bad(catalog("", "a", "b"), log, reading(OK, evidence=[(-INF, 0.0)]), make) is None
+
+
+def test_a_roots_own_parameter_counts_as_used_first_even_when_probed_last():
+    # under torch.compile the root (a ViT owning cls_token) is probed at the end of the graph
+    cat = Catalog(slots=[Slot("", "ViT", lambda: None, container=True), Slot("blocks.0", "Block", lambda: None),
+                         Slot("head", "Linear", lambda: None)])
+    params = {name: torch.zeros(2) for name in ("cls_token", "blocks.0.weight", "head.weight")}
+    for slot, name in enumerate(params):
+        cat.param_names[id(params[name])] = name
+        cat.param_owner[id(params[name])] = slot
+    log = log_of(record(OUT, 1, torch.ones(1)), record(OUT, 2, torch.ones(1)), record(OUT, 0, torch.ones(1)))
+    grads = [torch.tensor([NAN, 0.0]), torch.tensor([NAN, 0.0]), torch.ones(2)]  # born in head's backward
+    event = first_bad(cat, log, reading(OK, OK, OK, grads=grads), make, list(params.values()), grads).event
+    assert event.kind == "grad" and event.layer == "blocks.0.weight"

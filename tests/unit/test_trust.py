@@ -135,3 +135,66 @@ def test_an_object_a_module_returns_is_looked_into():
             optimizer.step()
     event = info.value.event
     assert event.kind == "forward" and event.has_nan and event.module_type == "Policy"
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def state(model, optimizer):
+    import copy
+
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_stopped_or_skipped_step_leaves_batchnorm_statistics_as_they_were(policy, tmp_path):
+    from nanguard.incident import read_incident
+
+    model = bn_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    with nanguard.init(model, optimizer, on_nan=policy, capture=True) as guard:
+        for step in range(4):
+            x = torch.randn(16, 4)
+            if step == 2:
+                x[3, 1] = math.nan
+                before = state(model, optimizer)
+            try:
+                model(x).sum().backward()
+                optimizer.step()
+            except nanguard.NonFiniteError:
+                break
+            finally:
+                optimizer.zero_grad()
+            if step == 2:
+                after = state(model, optimizer)
+        if policy == "raise":
+            after = state(model, optimizer)
+        for name, value in before[0].items():
+            assert torch.equal(value, after[0][name]), f"{name} changed"  # running stats, batch count
+        assert repr(before[1]) == repr(after[1])
+        saved = read_incident(guard.incident).rank_state(0)["model"]
+        assert all(torch.equal(saved[name], value) for name, value in before[0].items())
+    model.eval()
+    assert torch.isfinite(model(torch.randn(5, 4))).all()
+
+
+def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kept = model[0].running_var.clone()
+        x = torch.randn(8, 4) * 1e20  # its variance overflows float32; the normalised output does not
+        out = model(x)
+        assert torch.isfinite(out).all() and not torch.isfinite(model[0].running_var).all()
+        out.sum().backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+        assert torch.equal(model[0].running_var, kept)
+    event = info.value.event
+    assert event.kind == "buffer" and event.layer == "0.running_var" and event.module_type == "BatchNorm1d"
+    assert guard.step == 2
