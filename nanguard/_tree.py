@@ -40,6 +40,14 @@ def _held(obj: Any) -> Iterable[Any] | None:
     return [value for value in attributes.values() if isinstance(value, torch.Tensor) or _items(value) is not None]
 
 
+def tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor in the containers of ``obj``, in order (what ``map_tensors`` maps)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = _items(obj) if _depth < MAX_DEPTH else None
+    return [t for item in items or () for t in tensors(item, _depth + 1)]
+
+
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in ``obj``, in order."""
     if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # a hook's common call
@@ -52,6 +60,28 @@ def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     for item in items:
         found.extend(floating_tensors(item, _depth + 1))
+    return found
+
+
+def named_floating_tensors(obj: Any, _path: str = "", _depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """``floating_tensors`` with where each one is: a mapping's key ("loss"), a sequence's index
+    ("[1]"), a dataclass's field, joined by "." ("past_key_values.[0]"); "" for ``obj`` itself."""
+    if isinstance(obj, torch.Tensor):
+        return [(_path, obj)] if obj.is_floating_point() or obj.is_complex() else []
+    if _depth >= MAX_DEPTH:
+        return []
+    if isinstance(obj, (list, tuple)):
+        named = [(f"[{i}]", item) for i, item in enumerate(obj)]
+    elif isinstance(obj, Mapping):
+        named = [(str(key), value) for key, value in obj.items()]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        named = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    else:
+        named = [(key, value) for key, value in vars(obj).items()
+                 if isinstance(value, torch.Tensor) or _items(value) is not None] if _held(obj) is not None else []
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, item in named:
+        found.extend(named_floating_tensors(item, f"{_path}.{name}" if _path else name, _depth + 1))
     return found
 
 

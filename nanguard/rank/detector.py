@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tree import floating_tensors
+from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
 from .backward import BackwardWatch, probe
 from .buffers import Buffers
@@ -67,7 +67,8 @@ class Detector:
         self._kept_bytes = 0
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
+        """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
         self.buffers = Buffers()
@@ -100,7 +101,8 @@ class Detector:
             # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
             # several microseconds more per call. A value passed by keyword is still caught at the
             # output it poisons.
-            self._handles.append(module.register_forward_hook(self._make_hook(slot, mode, leaf)))
+            hook = self._make_hook(slot, mode, leaf, named=module is root)
+            self._handles.append(module.register_forward_hook(hook))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
                 self.backward.watch_ddp(module)
@@ -141,7 +143,8 @@ class Detector:
         return CHECK_MODE
 
     # ------------------------------------------------------------------ hot path
-    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
+    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False,
+             field: str | None = None) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         local = forensics.plain(tensor)
@@ -161,8 +164,8 @@ class Detector:
         log = self.log
         if not lazy:
             (log.evidence if role == IN else log.values).extend(torch.aminmax(local))
-        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
-        self._seen[id(tensor)] = (ref, tensor._version)
+        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy, field=field))
+        self._seen[id(tensor)] = (ref, tensor._version, len(log.records) - 1)
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
@@ -176,9 +179,9 @@ class Detector:
 
     def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, None)
 
-    def _make_hook(self, slot: int, mode: int, leaf: bool):
+    def _make_hook(self, slot: int, mode: int, leaf: bool, named: bool = False):
         is_compiling = torch.compiler.is_compiling
         add, unchecked = self._add, self._unchecked
         log = self.log
@@ -194,6 +197,8 @@ class Detector:
                             log.values.extend(probe(tensor))
                             log.records.append(compiled)
                 return None
+            # a root's output is named field by field (a model's loss is told from its logits)
+            fields = dict((id(t), path or None) for path, t in named_floating_tensors(output)) if named else {}
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
                 self._mark_seen(outputs)
@@ -204,7 +209,7 @@ class Detector:
                 self._mark_seen(outputs)
             else:
                 for tensor in unchecked(outputs):
-                    add(tensor, OUT, slot)
+                    add(tensor, OUT, slot, field=fields.get(id(tensor)))
             return None
 
         return hook
@@ -244,8 +249,13 @@ class Detector:
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
-        if tensor.is_floating_point() or tensor.is_complex():
-            self._add(tensor, CHECK, index)
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            return
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2] is not None:
+            self.log.records[seen[2]].check = index  # a loss the model returned: named, not probed again
+            return
+        self._add(tensor, CHECK, index)
 
     # ------------------------------------------------------------------ the step
     @property

@@ -97,12 +97,17 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
              stats: dict[str, Any]) -> dict[str, Any]:
     record = log.records[index]
     fields: dict[str, Any] = {"micro_batch": log.micro_batch_of(index), **stats}
-    if record.role == CHECK:
-        name = catalog.check_name(record.slot)
-        return fields | {"kind": "loss" if name == "loss" else "check", "layer": name,
-                         "micro_batch": None}
+    if record.role == CHECK or record.check is not None:
+        name = catalog.check_name(record.slot if record.role == CHECK else record.check)
+        fields |= {"kind": "loss" if name == "loss" else "check", "layer": name}
+        if record.role == CHECK:
+            return fields | {"micro_batch": None}
+        owner = catalog.slots[record.slot]
+        where = f"{record.field!r} of the output of {owner.name or 'the model'} ({owner.module_type})"
+        return fields | {"output_field": record.field, "message": _join(
+            f"the tensor checked as {name!r} is {where}: the model computed it", fields.get("message"))}
     info = catalog.slots[record.slot]
-    fields |= {"layer": info.name, "module_type": info.module_type}
+    fields |= {"layer": info.name, "module_type": info.module_type, "output_field": record.field}
     if record.compiled:
         return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(
             "first non-finite module output seen in a compiled graph, where inputs and containers are"

@@ -25,6 +25,7 @@ from ..errors import ConfigError, GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
 from ..replay import Replay, StepObserver
+from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
 from .patches import patch_scaler_update, wrap_closure
@@ -141,6 +142,24 @@ class Guard:
             raise TypeError(f"guard.check: name must be a non-empty string, got {name!r}")
         if not self.settings.disable:
             self._detector.check(tensor, name)
+
+    def begin_micro_batch(self, batch: Any) -> None:
+        """A micro-batch begins with ``batch``, which the model's own forward does not take (a
+        Lightning ``training_step`` calls submodules): it is captured with the step, and a replay
+        puts the captured batch into it, in place."""
+        root = model_to_save(self._roots)
+        if self._closed or self.settings.disable or root is None:
+            return
+        self._observer.batch_given(root, batch)
+        self._detector.root_pre(self._detector.slot_of(root), (batch,), {})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count, skipped steps and the gradient-norm monitor's level, for a checkpoint."""
+        return resume.state_dict(self._clock, self._respond)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's ``state_dict()`` (or a trainer's {"step": global_step})."""
+        resume.load_state_dict(state, self._clock, self._respond)
 
     def close(self) -> None:
         """Remove every hook this guard installed. Idempotent."""

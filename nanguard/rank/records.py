@@ -49,6 +49,10 @@ class Probe:
     """the batch: its probe is a zero, checked exactly only once the step is known bad"""
     compiled: bool = False
     """made inside a compiled graph, where inputs and containers are not checked"""
+    field: str | None = None
+    """where in a root's output the tensor was ("loss"), when that output is a container"""
+    check: int | None = None
+    """the index of the name ``Guard.check`` later gave this same tensor (a loss the model returned)"""
 
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""

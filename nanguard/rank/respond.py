@@ -145,7 +145,7 @@ class Responder:
                             events=self.events.snapshot(), settings=settings_record(self.settings))
 
         self.incident = capture_incident(self.group, self.settings.dir, event, collect,
-                                         job_id=self.identity.run_id, capture_batch=self.settings.capture_batch,
+                                         job_id=self.identity.incidents_as, capture_batch=self.settings.capture_batch,
                                          sharded=sharding(model))
         if self.incident is not None and event.rank == self.group.rank:
             log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",

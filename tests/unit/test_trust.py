@@ -198,3 +198,62 @@ def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
     event = info.value.event
     assert event.kind == "buffer" and event.layer == "0.running_var" and event.module_type == "BatchNorm1d"
     assert guard.step == 2
+
+
+class WithLoss(nn.Module):
+    """Computes its own loss, as a transformers model given labels does, and returns a mapping."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        keep = labels != -100
+        loss = nn.functional.cross_entropy(logits[keep], labels[keep])  # every label -100: NaN
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_loss_the_model_returns_is_named_by_its_field(checked):
+    model = WithLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            out = model(torch.randn(5, 4), labels=torch.full((5,), -100))
+            if checked:
+                guard.check(out["loss"])
+            out["loss"].backward()
+            optimizer.step()
+    event = info.value.event
+    assert event.output_field == "loss" and event.shape == () and "the value is nan" in str(event)
+    if checked:
+        assert event.kind == "loss" and event.layer == "loss" and "the model computed it" in event.message
+    else:
+        assert event.kind == "forward" and str(event).startswith("non-finite 'loss' in the output of the model")
+
+
+def test_a_resumed_run_goes_on_counting_where_it_left_off(monkeypatch, tmp_path):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, spike_warmup_steps=2) as guard:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+        saved = guard.state_dict()
+    assert saved["step"] == 3 and saved["grad_norm_level"] > 0
+    with nanguard.init(nn.Linear(4, 2)) as other, pytest.raises(nanguard.ConfigError, match="step=-1 must be"):
+        other.load_state_dict({**saved, "step": -1})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    model2 = nn.Linear(4, 2)
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with nanguard.init(model2, optimizer2) as guard:
+        guard.load_state_dict(saved)
+        assert guard.step == 3 and guard.state_dict() == saved
+        with torch.no_grad():
+            model2.weight[0, 0] = math.nan
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            model2(torch.randn(2, 4)).sum().backward()
+            optimizer2.step()
+    assert info.value.event.step == 3 and info.value.incident.endswith("job-restart2-step3")
