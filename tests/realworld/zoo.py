@@ -94,11 +94,19 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     placeholder classes: timm 1.0 imports torchvision at import time (FrozenBatchNorm2d, dataset
     and transform classes), but the models built here never call it."""
 
+    class Placeholder(type):
+        """A class whose every attribute is another placeholder (``InterpolationMode.NEAREST``)."""
+
+        def __getattr__(cls, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _StandIn.Placeholder(name, (), {})
+
     class Module(types.ModuleType):
         def __getattr__(self, name: str) -> Any:
             if name.startswith("__"):
                 raise AttributeError(name)
-            value = type(name, (), {"__module__": self.__name__})
+            value = _StandIn.Placeholder(name, (), {"__module__": self.__name__})
             setattr(self, name, value)
             return value
 
