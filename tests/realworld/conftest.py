@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-WORKERS = HERE / "workers"
 
 
 def _integration_launcher():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,9 @@ import torch
 
 import nanguard
 from oracles import StateBefore
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+"""the torchrun worker scripts of this suite"""
 
 
 def needs(*packages: str) -> None:
