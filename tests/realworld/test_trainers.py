@@ -176,10 +176,12 @@ def test_hf_trainer_callback_stops_before_the_update_and_replays(tmp_path, monke
     needs("transformers", "accelerate")
     from nanguard.integrations.transformers import NanguardCallback
 
-    model, callback, watch = gpt2(), NanguardCallback(), hf_watch(inf_in_mlp)
+    stops = []
+    model, callback, watch = gpt2(), NanguardCallback(on_stop=stops.append), hf_watch(inf_in_mlp)
     trainer = hf_trainer(tmp_path, model, watch, callback)
     with pytest.raises(nanguard.NonFiniteError) as info:
         trainer.train()
+    assert stops == [info.value]  # the user's on_stop, then the guard closed
     truth = watch.oracle.producer()
     assert (truth.name, truth.inputs_finite) == ("transformer.h.1.mlp.c_fc", True)
     event = info.value.event
@@ -221,6 +223,16 @@ def test_hf_callback_settings_are_checked_when_it_is_made():
 
     with pytest.raises(nanguard.ConfigError, match="on_nan"):
         NanguardCallback(on_nan="ignore")
+
+
+def test_hf_callback_without_transformers_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "nanguard.integrations.transformers", raising=False)
+    with pytest.raises(ImportError, match=r"pip install transformers"):
+        importlib.import_module("nanguard.integrations.transformers")
 
 
 @broken(8, "the Trainer clips gradients (max_grad_norm=1.0) before the step, and the NaN norm spreads the"
