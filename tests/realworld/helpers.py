@@ -68,3 +68,10 @@ def assert_incident_holds(err: nanguard.NonFiniteError, before: StateBefore, pre
     saved = read_incident(err.incident).rank_state(err.event.rank)["model"]
     differ = before.differs_from_saved(saved, prefix)
     assert differ == [], f"the incident's 'state from before step {err.event.step}' differs in {differ[:8]}"
+
+
+def assert_fed_as_captured(report: dict) -> None:
+    """A replay's notes say of nothing that the script fed in place of what was captured (the
+    batch, the extra forwards, a scheduler's state: those notes name "the script's" own)."""
+    differences = [note for note in report["notes"] if "script's" in note or "not captured" in note]
+    assert differences == [], differences

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import nanguard
-from helpers import assert_incident_holds, assert_untouched, broken, needs, until_stop
+from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, broken, needs,
+                     until_stop)
 from oracles import ForwardOracle, GradOracle, StateBefore
 from zoo import image_batch, poison_backward_of, resnet, vit
 
@@ -118,7 +119,7 @@ def test_resnet_poisoned_batch_names_the_batch_and_replays(monkeypatch):
     assert report["verdict"] == "reproducible", report["message"]
     first = report["trace"]["0"]["forward"][0]
     assert (first["module"], first["output"]["first_index"]) == ("<the captured batch>", [1, 0, 5, 5])
-    assert report["notes"] == []
+    assert_fed_as_captured(report)
 
 
 @broken(3, "the bad forward wrote BatchNorm running statistics"

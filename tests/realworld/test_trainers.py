@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nanguard
-from helpers import assert_untouched, broken, needs
+from helpers import assert_fed_as_captured, assert_untouched, broken, needs
 from oracles import ForwardOracle, GradOracle, StateBefore, identical, tensors_in
 from zoo import gpt2, poison_backward_of, token_batch
 
@@ -204,7 +204,7 @@ def test_hf_trainer_callback_stops_before_the_update_and_replays(tmp_path, monke
     report = read(info.value.incident).replay_report()
     assert report["verdict"] == "reproducible", report["message"]
     assert report["trace"]["0"]["forward"][0]["module"] == truth.name
-    assert report["notes"] == []
+    assert_fed_as_captured(report)
 
 
 def test_hf_trainer_clean_run_closes_the_guard(tmp_path):

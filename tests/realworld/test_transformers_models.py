@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import nanguard
-from helpers import assert_incident_holds, assert_untouched, broken, needs, until_stop
+from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, broken, needs,
+                     until_stop)
 from oracles import ForwardOracle
 from zoo import bert, gpt2, t5, token_batch
 
@@ -80,7 +81,7 @@ def test_gpt2_inf_weight_names_the_module_that_made_it_and_replays(monkeypatch):
     assert report["first_event"]["layer"] == truth.name and report["first_event"]["step"] == 2
     first = report["trace"]["0"]["forward"][0]
     assert (first["module"], first["inputs_finite"]) == (truth.name, True)
-    assert report["notes"] == []  # nothing fed differently from the original step
+    assert_fed_as_captured(report)
     batch = read_incident(err.incident).rank_batches(0)[0]
     assert torch.equal(batch["kwargs"]["input_ids"], token_batch(2))
 

@@ -192,7 +192,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.n_head = n_head
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+        causal = torch.tril(torch.ones(block_size, block_size))
+        self.register_buffer("bias", causal.view(1, 1, block_size, block_size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -230,7 +231,8 @@ class Block(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = VOCAB, block_size: int = 32, n_layer: int = 2, n_embd: int = 32, n_head: int = 2):
+    def __init__(self, vocab: int = VOCAB, block_size: int = 32, n_layer: int = 2, n_embd: int = 32,
+                 n_head: int = 2):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
