@@ -53,7 +53,10 @@ class NanguardCallback(Callback):
         self.guard = nanguard.init(model, list(trainer.optimizers) or None, scaler=scaler, **self.overrides)
         # a wrapper (DDP) is called with the batch; the LightningModule alone is not
         self._takes_batch = model is not pl_module
-        if self.guard.settings.replay is None:  # a replay counts from its incident's step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # the trainer's own state (global_step) is restored from a checkpoint only by now
+        if self.guard is not None and self.guard.settings.replay is None:  # a replay counts from its incident
             self.guard.load_state_dict({**(self._loaded or {}), "step": trainer.global_step})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -28,6 +28,7 @@ from ..replay import Replay, StepObserver
 from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
+from .modules import unwrap_optimizer
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
 from .respond import Responder, model_to_save, step_inputs
@@ -348,6 +349,7 @@ def _checked_arguments(model: Any, optimizer: Any, on_stop: Any) -> list[torch.o
     else:
         raise TypeError(f"nanguard.init: optimizer must be a torch.optim.Optimizer (or a list of"
                         f" them, or None); got {type(optimizer).__name__}")
+    optimizers = [unwrap_optimizer(o) for o in optimizers]
     if on_stop is not None and not callable(on_stop):
         raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
     if model is not None and next(model.parameters(), None) is None:

@@ -1,10 +1,6 @@
 """The real-model suite: tiny models of transformers, timm, Lightning, the HF Trainer, accelerate
 and a nanoGPT-style loop, each with a fault at a known place and an oracle that does not ask
 nanguard (oracles.py). Needs the ``realworld`` extra: ``pip install -c constraints.txt -e '.[realworld]'``.
-
-Where nanguard is wrong today, a test states what it should say and is marked
-``xfail(strict=True, reason="issue 12 item N: ...")``: it turns into a failure (XPASS) once the
-fix lands, which is the moment to remove the marker.
 """
 
 from __future__ import annotations

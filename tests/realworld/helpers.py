@@ -31,13 +31,6 @@ def needs(*packages: str) -> None:
             pytest.skip(message, allow_module_level=True)
 
 
-def broken(item: int, what: str, raises: type[BaseException] = AssertionError):
-    """Marks a test of what nanguard should do and does not yet (issue 12 item ``item``): it
-    fails today with ``raises`` (any other error is a real failure) and turns into an XPASS
-    failure once the fix lands, when the marker is to be removed."""
-    return pytest.mark.xfail(strict=True, raises=raises, reason=f"issue 12 item {item}: {what}")
-
-
 def until_stop(step: Callable[[int], Any], model: torch.nn.Module, optimizer: Any, *, steps: int,
                arm: Callable[[int], None] = lambda s: None, oracles: Sequence[Any] = ()
                ) -> tuple[int, nanguard.NonFiniteError, StateBefore]:

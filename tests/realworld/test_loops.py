@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nanguard
-from helpers import assert_untouched, broken, until_stop
+from helpers import assert_untouched, until_stop
 from oracles import ForwardOracle, GradOracle
 from zoo import Actor, TutorialLM, nanogpt, poison_backward_of, token_batch
 
@@ -65,10 +65,6 @@ def test_nanogpt_accumulation_names_the_micro_batch_and_the_module():
     assert_untouched(before, model, optimizer)
 
 
-@broken(8, "clip_grad_norm_ after a NaN born in the backward spreads the NaN norm to every gradient; nanguard"
-        " then blames the last module: 'non-finite gradient of transformer.ln_f.weight (LayerNorm) at step 1,"
-        " rank 0: ... 28 of 28 parameter gradients are non-finite, this one first in backward order; ... so it"
-        " was born in the backward pass' instead of naming transformer.h.0.mlp.c_fc")
 def test_nanogpt_clipping_does_not_move_the_blame_of_a_backward_nan():
     model = nanogpt()
     poison = poison_backward_of(model.transformer.h[0].mlp.gelu)  # the gradient flowing into c_fc's output
@@ -89,11 +85,6 @@ def test_nanogpt_clipping_does_not_move_the_blame_of_a_backward_nan():
     assert_untouched(before, model, optimizer)
 
 
-@broken(8, "the -inf causal mask made in forward and passed to nn.TransformerEncoder stops training at step"
-        " 0: 'non-finite input to transformer_encoder (TransformerEncoder) at step 0, rank 0, micro-batch 0:"
-        " 66 Inf of 144, first at [0, 1] (-inf); ... its input was already non-finite: the value was born"
-        " outside any module, in the forward code of the root module' though every output is finite",
-        raises=nanguard.NonFiniteError)
 def test_tutorial_transformer_minus_inf_mask_is_not_a_fault():
     torch.manual_seed(0)
     model = TutorialLM()
@@ -112,9 +103,6 @@ def test_tutorial_transformer_minus_inf_mask_is_not_a_fault():
         assert guard.step == 3 and guard.events == []
 
 
-@broken(8, "a gradient norm that overflows float16 on finite float16 gradients (true norm ~1.1e5) makes no"
-        " grad_norm event: the per-parameter norm reads inf, the step is found clean and the warning is"
-        " dropped (guard.events == [])")
 def test_fp16_model_grad_norm_warning_does_not_vanish_on_norm_overflow():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 10)).half()
@@ -132,9 +120,6 @@ def test_fp16_model_grad_norm_warning_does_not_vanish_on_norm_overflow():
     assert math.isclose(warnings[0].grad_norm, true_norm, rel_tol=1e-2)
 
 
-@broken(8, "a module that returns a torch.distributions.Normal is not looked into: its infinite scale is"
-        " first seen as 'non-finite gradient of head.log_std (GaussianHead) ... so it was born in the backward"
-        " pass' instead of a forward event in head (GaussianHead), whose inputs were finite")
 def test_policy_returning_a_distribution_is_looked_into():
     torch.manual_seed(0)
     actor = Actor()
@@ -164,8 +149,6 @@ def test_policy_returning_a_distribution_is_looked_into():
     assert_untouched(before, actor, optimizer)
 
 
-@broken(7, "a resumed run cannot carry the guard's step: Guard has no state_dict()/load_state_dict()"
-        " (AttributeError), and a new guard counts from 0", raises=AttributeError)
 def test_resumed_run_counts_steps_from_the_checkpoint():
     model = nanogpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
