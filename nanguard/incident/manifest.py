@@ -37,9 +37,9 @@ REPLAY = "replay.json"
 VERDICTS = ("reproducible", "not_reproducible")
 
 STATE, BATCHES, RNG = "state.pt", "batches.pt", "rng.pt"
-EVENTS, ENVIRONMENT = "events.json", "environment.json"
-RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT)
-REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch
+EVENTS, ENVIRONMENT, FLIGHT = "events.json", "environment.json", "flight.json"
+RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT, FLIGHT)
+REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch; flight.json optional
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TAMPERED = "tampered or truncated; nothing was loaded (copy the incident again from where it was written)"

@@ -16,6 +16,7 @@ from .manifest import (
     BATCHES,
     ENVIRONMENT,
     EVENTS,
+    FLIGHT,
     MANIFEST,
     REPLAY,
     RNG,
@@ -114,6 +115,13 @@ class Incident:
             return [Event.from_dict(item) for item in data]
         except ProtocolError as exc:
             raise IncidentError(path, f"holds an invalid event ({exc})") from exc
+
+    def rank_flight(self, rank: int) -> Any:
+        """The rank's flight.json as written (rank/flight.py's format), or None where it was not
+        kept (flight_steps=0, or an incident older than the recorder); not validated here."""
+        if f"{rank_folder(rank)}/{FLIGHT}" not in self.manifest["ranks"][rank]["files"]:
+            return None
+        return _json(self._file(rank, FLIGHT))
 
     def environment(self, rank: int) -> dict[str, Any]:
         return _json(self._file(rank, ENVIRONMENT))

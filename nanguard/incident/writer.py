@@ -33,6 +33,7 @@ from .manifest import (
     BATCHES,
     ENVIRONMENT,
     EVENTS,
+    FLIGHT,
     MANIFEST,
     REPLAY,
     RNG,
@@ -146,7 +147,7 @@ def new_incident_dir(root: str, incident_id: str) -> str:
 def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], optimizer_state: Any = None,
                extra_states: Mapping[str, Any] | None = None, batches: list[Any] | None = None,
                rng: Mapping[str, Any], events: Iterable[Event],
-               environment: Mapping[str, Any]) -> dict[str, Any]:
+               environment: Mapping[str, Any], flight: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Writes this rank's part of the incident as ``<incident_dir>/rank<rank>``, all of it or nothing.
 
     ``batches`` (the micro-batches as fed, written as data: ``batches.encode``, tensors copied to
@@ -172,6 +173,8 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
     }
     if batches is not None:
         contents[BATCHES] = lambda p: write_torch(p, encode(list(batches)))
+    if flight is not None:
+        contents[FLIGHT] = lambda p: write_json(p, flight)
     try:
         # left over by a killed process that had our pid (pids repeat across containers): ours now
         shutil.rmtree(tmp, ignore_errors=True)
@@ -286,6 +289,8 @@ class RankPart:
     data when written (``batches.encode``); None: the batch must not go to disk"""
     settings: Any = None
     """the guard's settings as plain data (no secrets), for environment.json"""
+    flight: Mapping[str, Any] | None = None
+    """the flight recorder's rows (rank/flight.py), for flight.json"""
 
 
 def capture_incident(collectives: Collectives, root: str, first_event: Event,
@@ -337,7 +342,7 @@ def _write_part(path: str, rank: int, world_size: int,
         return write_rank(
             path, rank, model_state=part.model_state, optimizer_state=part.optimizer_state,
             extra_states=part.extra_states, batches=part.batches,
-            rng=part.rng, events=part.events,
+            rng=part.rng, events=part.events, flight=part.flight,
             environment=environment_record(rank=rank, world_size=world_size, settings=part.settings))
     except Exception:  # noqa: BLE001
         # Whatever failed here (a state_dict, a copy, the disk), this rank must still reach the

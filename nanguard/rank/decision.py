@@ -78,12 +78,15 @@ class Reading:
     local_grads_bad: bool | None
     buffers: list[float] = ()
     """norms of the buffers the step wrote"""
+    extras: list[float] = ()
+    """values read along for the flight recorder (the GradScaler's scale)"""
     """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
               collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
-              evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = ()) -> Reading | None:
+              evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = (),
+              extras: list[torch.Tensor] = ()) -> Reading | None:
     """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
@@ -91,7 +94,7 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     to read and no one to agree with.
     """
     faults = probes + norms + buckets + list(buffers)
-    parts = faults + list(evidence)
+    parts = faults + list(evidence) + list(extras)
     if not parts and collectives is None:
         return None
     vector = stack(parts) if parts else torch.zeros(0, device=collectives.device())
@@ -108,10 +111,10 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
         bad, stop = not math.isfinite(flag), bool(stop_sum)
     else:
         bad = early or not all(map(math.isfinite, values[:len(faults)]))
-    split, end = len(probes) + len(norms), len(faults) - len(buffers)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[len(faults):],
+    split, end, tail = len(probes) + len(norms), len(faults) - len(buffers), len(values) - len(extras)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[len(faults):tail],
                    not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
-                   values[end:len(faults)])
+                   values[end:len(faults)], values[tail:])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -203,13 +206,17 @@ class Decider:
                             detector.bucket_probes if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
                             watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
-                            buffers=detector.buffers.norms(written))
+                            buffers=detector.buffers.norms(written), extras=self.respond.extras())
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
+            self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],
+                                    optimizer=optimizer, clean=self._early is None)
             if self._early is not None:
                 self._respond_to(self._take_early(), optimizer, together=False)
             self._clean(stop=self.respond.reporter.stop_requested)
             return
+        loss_at = detector.log.loss_at
+        loss = reading.probes[loss_at] if loss_at is not None else None
         if reading.bad:
             local = self._take_early() if self._early is not None else diagnose.first_bad(
                 detector.catalog, detector.log, reading, self._event, owners, grads, written)
@@ -218,6 +225,9 @@ class Decider:
                 if local is not None and first.event.rank != local.event.rank:
                     # what this rank saw, beside the job's first event
                     self.respond.note(local, self.settings.on_nan)
+                # in the flight recorder before a capture writes it
+                self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
+                                        owners=owners, optimizer=optimizer, clean=False)
                 try:
                     self._respond_to(first, optimizer, together=collectives is not None)
                 finally:
@@ -226,9 +236,11 @@ class Decider:
                 self._report_step(reading.stop)
                 return
         detector.reset()
-        self._clean(reading.stop)
         if reading.norms:
             self.respond.watch_norms(reading.norms, owners, self._event)
+        self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
+                                owners=owners, optimizer=optimizer, clean=True)
+        self._clean(reading.stop)
 
     def _gradients(self, optimizer: torch.optim.Optimizer | None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
@@ -257,7 +269,7 @@ class Decider:
     def _report_step(self, stop: bool) -> None:
         """The coordinator hears of the step, and a stop requested here or on any rank is raised
         (every rank takes this decision at the same step: ``stop`` was all-reduced)."""
-        self.respond.reporter.heartbeat(self.clock.index, self.respond.last_grad_norm)
+        self.respond.reporter.heartbeat(self.clock.index, self.respond.last_step_time, self.respond.last_grad_norm)
         if stop:
             self.respond.stop(self.clock.index)
 

@@ -162,9 +162,13 @@ class Detector:
         if kept is None:
             kept = ref  # beyond the budget: described only while the tensor is still alive
         log = self.log
+        pos = -1
         if not lazy:
-            (log.evidence if role == IN else log.values).extend(torch.aminmax(local))
-        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy, field=field))
+            values = log.evidence if role == IN else log.values
+            pos = len(values)
+            values.extend(torch.aminmax(local))
+        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy,
+                                 field=field, pos=pos))
         self._seen[id(tensor)] = (ref, tensor._version, len(log.records) - 1)
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -249,13 +253,17 @@ class Detector:
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
-        if not (tensor.is_floating_point() or tensor.is_complex()):
+        if not (tensor.is_floating_point() or tensor.is_complex()) or not tensor.numel():
             return
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2] is not None:
-            self.log.records[seen[2]].check = index  # a loss the model returned: named, not probed again
-            return
-        self._add(tensor, CHECK, index)
+            record = self.log.records[seen[2]]
+            record.check = index  # a loss the model returned: named, not probed again
+        else:
+            self._add(tensor, CHECK, index)
+            record = self.log.records[-1]
+        if name == "loss" and record.pos >= 0 and tensor.numel() == 1:
+            self.log.loss_at = record.pos
 
     # ------------------------------------------------------------------ the step
     @property

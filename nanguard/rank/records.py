@@ -53,6 +53,8 @@ class Probe:
     """where in a root's output the tensor was ("loss"), when that output is a container"""
     check: int | None = None
     """the index of the name ``Guard.check`` later gave this same tensor (a loss the model returned)"""
+    pos: int = -1
+    """where its (minimum, maximum) are in ``StepLog.values`` (OUT and CHECK probes)"""
 
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""
@@ -107,11 +109,13 @@ class StepLog:
     """(root slot, args, kwargs) of every root forward: references, no copies"""
     produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """(parameters, the norms of their gradients) as the last backward pass left them"""
+    loss_at: int | None = None
+    """where the tensor checked as "loss" is in ``values``, for the flight recorder"""
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
             part.clear()
-        self.produced = None
+        self.produced = self.loss_at = None
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
         """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 
 import torch
 
@@ -28,8 +27,8 @@ class Reporter:
     def note(self, event: Event, action: str) -> None:
         """This rank saw ``event`` and did ``action`` (raise, skip, warn) about it."""
 
-    def heartbeat(self, step: int, grad_norm: float | None) -> None:
-        """A step ended clean: its index and gradient norm (the time since the last one is taken here)."""
+    def heartbeat(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        """A step ended: its index, how long it took and its gradient norm."""
 
     def captured(self, step: int, incident: str) -> None:
         """The job's incident of ``step`` is complete in ``incident`` (said by rank 0)."""
@@ -68,7 +67,6 @@ class CoordinatorReporter(Reporter):
         from ..client import Client  # pyzmq only where a coordinator is configured
 
         self._stop: tuple[str, str] | None = None
-        self._last_step_at: float | None = None
         hello = {"rank": group.rank, "local_rank": identity.local_rank, "world_size": group.world_size,
                  "host": identity.host, "pid": identity.pid, "job": identity.job,
                  "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
@@ -87,10 +85,8 @@ class CoordinatorReporter(Reporter):
     def note(self, event: Event, action: str) -> None:
         self._client.send_event(event, action)
 
-    def heartbeat(self, step: int, grad_norm: float | None) -> None:
-        now = time.monotonic()
-        last, self._last_step_at = self._last_step_at, now
-        self._client.update(step, now - last if last is not None else None, grad_norm)
+    def heartbeat(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        self._client.update(step, step_time_s, grad_norm)
 
     def captured(self, step: int, incident: str) -> None:
         self._client.captured(step, incident)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from .buffers import Buffers
 from .decision import params
 from .detector import Detector
 from .diagnose import Finding
+from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import sharding, unwrap
 from .reporter import Reporter
@@ -67,6 +69,9 @@ class Responder:
         self.last_param_grad_norms: dict[str, float] = {}
         self.norms = GradNormMonitor(settings.grad_norm_warn, settings.spike_factor,
                                      settings.spike_warmup_steps)
+        self.flight = FlightRecorder(settings.flight_steps) if settings.flight_steps else None
+        self._last_step_at: float | None = None
+        self.last_step_time: float | None = None
 
     def note(self, finding: Finding, action: str) -> None:
         """Keep an event; send it to the coordinator when this rank is the one that saw it (values
@@ -113,6 +118,25 @@ class Responder:
             self.on_stop(error)
         raise error
 
+    def extras(self) -> list[torch.Tensor]:
+        """Device values read with the step for the flight recorder: the GradScaler's scale."""
+        scale = getattr(self.states.get("scaler"), "_scale", None)
+        return [scale.reshape(())] if self.flight is not None and isinstance(scale, torch.Tensor) else []
+
+    def step_ended(self, step: int, *, loss: float | None, extras: list[float], norms: list[float],
+                   owners: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                   clean: bool) -> None:
+        """Every decided step: its time and its row of the flight recorder."""
+        now = time.monotonic()
+        last, self._last_step_at = self._last_step_at, now
+        step_time = self.last_step_time = now - last if last is not None else None
+        grad_norm = self.last_grad_norm if clean and norms else None
+        if self.flight is not None:
+            lr = optimizer.param_groups[0].get("lr") if optimizer is not None and optimizer.param_groups else None
+            self.flight.record(step, loss=loss, grad_norm=grad_norm, scale=extras[0] if extras else None,
+                               lr=float(lr) if isinstance(lr, (int, float)) else None, step_time_s=step_time,
+                               norms=norms, params=owners, name=self.param_name)
+
     def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
         norms = [n if math.isfinite(n) else _exact_norm(p, n) for n, p in zip(norms, owners)]
@@ -142,7 +166,8 @@ class Responder:
                             optimizer_state=optimizer.state_dict() if optimizer is not None else None,
                             extra_states={name: obj.state_dict() for name, obj in self.states.items()},
                             batches=batches if self.settings.capture_batch else None, rng=rng,
-                            events=self.events.snapshot(), settings=settings_record(self.settings))
+                            events=self.events.snapshot(), settings=settings_record(self.settings),
+                            flight=self.flight.to_dict() if self.flight is not None else None)
 
         self.incident = capture_incident(self.group, self.settings.dir, event, collect,
                                          job_id=self.identity.incidents_as, capture_batch=self.settings.capture_batch,

@@ -31,7 +31,7 @@ class StopAsked(Reporter):
         self._after = after
         self._pending = ("maintenance", "operator") if after == 0 else None
 
-    def heartbeat(self, step, grad_norm):
+    def heartbeat(self, step, step_time_s, grad_norm):
         self.heartbeats.append(step)
         if len(self.heartbeats) == self._after:
             self._pending = ("maintenance", "operator")
