@@ -55,9 +55,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _initialized():
-    """``torch.distributed`` when a process group is initialized, else None."""
-    import torch.distributed as dist
-
+    """``torch.distributed`` when a process group is initialized, else None (asked every step:
+    the module comes from sys.modules, not through an import statement)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        import torch.distributed as dist
     return dist if dist.is_available() and dist.is_initialized() else None
 
 

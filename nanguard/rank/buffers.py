@@ -53,6 +53,8 @@ class Buffers:
 
     def step_started(self) -> None:
         """Keep what this step may write (no host sync: device copies)."""
+        if not self._owners:
+            return
         self._versions = {q: (b._version, id(b)) for q, _, _, b in self._current()}
         with torch.no_grad():
             self._kept = {q: b.detach().clone() for q, _, _, b in self._current()
@@ -60,6 +62,8 @@ class Buffers:
 
     def written(self) -> list[tuple[str, torch.Tensor]]:
         """The floating buffers this step may have written; learns which buffers steps write."""
+        if not self._versions:
+            return []
         found = [(q, b) for q, _, _, b in self._current() if q in self._versions and (
             q in self._written or self._versions[q] != (b._version, id(b)))]
         self._written.update(q for q, _ in found)

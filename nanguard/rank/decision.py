@@ -200,7 +200,7 @@ class Decider:
                 gradients_too: bool = True) -> None:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
-        owners, grads, norms = self._gradients(optimizer) if gradients_too else ([], [], [])
+        owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
         written = detector.buffers.written()
         reading = read_step(detector.log.values, norms,
                             detector.bucket_probes if gradients_too else [], collectives,
@@ -218,6 +218,7 @@ class Decider:
         loss_at = detector.log.loss_at
         loss = reading.probes[loss_at] if loss_at is not None else None
         if reading.bad:
+            grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
             local = self._take_early() if self._early is not None else diagnose.first_bad(
                 detector.catalog, detector.log, reading, self._event, owners, grads, written)
             first = agree(collectives, local)
@@ -242,18 +243,16 @@ class Decider:
                                 owners=owners, optimizer=optimizer, clean=True)
         self._clean(reading.stop)
 
-    def _gradients(self, optimizer: torch.optim.Optimizer | None
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-        """(parameters, their gradients now, norms of their gradients as the backward pass left them,
-        or as they are now where it was not watched)."""
+    def _gradients(self, optimizer: torch.optim.Optimizer | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(parameters, norms of their gradients as the backward pass left them, or as they are now
+        where it was not watched)."""
         if optimizer is None:
-            return [], [], []
+            return [], []
         produced = self.detector.log.produced
         if produced is None:
             owners, grads = gradients(params(optimizer))
-            return owners, grads, grad_norms(grads)
-        owners, norms = produced
-        return owners, [None if p.grad is None else forensics.plain(p.grad) for p in owners], norms
+            return owners, grad_norms(grads)
+        return produced
 
     def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
                     together: bool) -> None:

@@ -147,7 +147,9 @@ class Detector:
              field: str | None = None) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
-        local = forensics.plain(tensor)
+        # forensics.plain, inlined for the common plain tensor: this runs for every probe
+        local = (tensor.detach() if tensor.requires_grad else tensor) if type(tensor) is torch.Tensor and \
+            not tensor.is_complex() else forensics.plain(tensor)
         if not local.numel():
             return  # nothing in it can be non-finite
         kept: Any = None
@@ -187,9 +189,11 @@ class Detector:
 
     def _make_hook(self, slot: int, mode: int, leaf: bool, named: bool = False):
         is_compiling = torch.compiler.is_compiling
-        add, unchecked = self._add, self._unchecked
+        add, unchecked, seen = self._add, self._unchecked, self._seen
         log = self.log
         compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
+        checks = mode == CHECK_MODE and not named
+        tensor_type = torch.Tensor
 
         def hook(module, args, output):
             if is_compiling():
@@ -200,6 +204,18 @@ class Detector:
                         if tensor.numel():
                             log.values.extend(probe(tensor))
                             log.records.append(compiled)
+                return None
+            if checks and type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type:
+                # the common call, one tensor in and one out: what the general path does, inlined
+                x = args[0]
+                entry = seen.get(id(x))
+                if (entry is None or entry[0]() is not x or entry[1] != x._version) and (
+                        x.is_floating_point() or x.is_complex()):
+                    add(x, IN, slot)
+                if output.is_floating_point() or output.is_complex():
+                    entry = seen.get(id(output))
+                    if entry is None or entry[0]() is not output or entry[1] != output._version:
+                        add(output, OUT, slot)
                 return None
             # a root's output is named field by field (a model's loss is told from its logits)
             fields = dict((id(t), path or None) for path, t in named_floating_tensors(output)) if named else {}

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._dist import Collectives, RankInfo
+from .._throttle import Throttle
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
@@ -72,6 +73,7 @@ class Responder:
         self.flight = FlightRecorder(settings.flight_steps) if settings.flight_steps else None
         self._last_step_at: float | None = None
         self.last_step_time: float | None = None
+        self._log_throttle = Throttle(60.0)
 
     def note(self, finding: Finding, action: str) -> None:
         """Keep an event; send it to the coordinator when this rank is the one that saw it (values
@@ -86,9 +88,13 @@ class Responder:
         of one rank of many writes no incident."""
         policy, group = self.settings.on_nan, self.group
         world = group.world_size if together and group.active else 1
-        message = f"{event}; {_action(policy, world, optimizer is not None)}"
+        action = _action(policy, world, optimizer is not None)
         if event.rank == group.rank:
-            log.error("nanguard: %s", message)
+            # a storm (warn, skip: the same report every step) logs once a minute, with a count
+            now, held = self._log_throttle.allow((event.kind, event.layer)) if policy != "raise" else (True, 0)
+            if now:
+                log.error("nanguard: %s; %s%s", event, action,
+                          f" (and {held} more such step(s) in the last minute)" if held else "")
         if policy != "warn":
             self.buffers.restore()  # the step does not happen: what its forward wrote goes back
         wanted = policy == "raise" and self.settings.capture is not False or (
@@ -100,7 +106,7 @@ class Responder:
                 param.grad = None  # the optimizer leaves parameters without gradients untouched
             self.skipped_steps += 1
         if policy == "raise":
-            error = NonFiniteError(message, event, self.incident)
+            error = NonFiniteError(f"{event}; {action}", event, self.incident)
             self.reporter.stopped(event.step, "nonfinite")
             if self.on_stop is not None:
                 self.on_stop(error)

@@ -257,3 +257,20 @@ def test_a_resumed_run_goes_on_counting_where_it_left_off(monkeypatch, tmp_path)
             model2(torch.randn(2, 4)).sum().backward()
             optimizer2.step()
     assert info.value.event.step == 3 and info.value.incident.endswith("job-restart2-step3")
+
+
+def test_a_storm_of_the_same_report_logs_once_a_minute(caplog):
+    import logging
+
+    model = bn_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.no_grad():
+        model[0].bias.fill_(math.nan)
+    with caplog.at_level(logging.ERROR, logger="nanguard"), nanguard.init(model, optimizer, on_nan="warn") as guard:
+        for _ in range(6):
+            model(torch.randn(4, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert len(guard.events) == 6 and guard.step == 6  # every step is still an event
+    reports = [r for r in caplog.records if "non-finite" in r.getMessage()]
+    assert len(reports) == 1 and "continuing (on_nan=warn)" in reports[0].getMessage()
