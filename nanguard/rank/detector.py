@@ -168,7 +168,13 @@ class Detector:
         if not lazy:
             values = log.evidence if role == IN else log.values
             pos = len(values)
-            values.extend(torch.aminmax(local))
+            # a 0-d tensor (a loss) is its own minimum and maximum: a copy (it may be changed in
+            # place later), no reduction to launch
+            if local.dim() == 0:
+                local_copy = local.clone()
+                values.extend((local_copy, local_copy))
+            else:
+                values.extend(torch.aminmax(local))
         log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy,
                                  field=field, pos=pos))
         self._seen[id(tensor)] = (ref, tensor._version, len(log.records) - 1)
@@ -192,7 +198,6 @@ class Detector:
         add, unchecked, seen = self._add, self._unchecked, self._seen
         log = self.log
         compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
-        checks = mode == CHECK_MODE and not named
         tensor_type = torch.Tensor
 
         def hook(module, args, output):
@@ -205,7 +210,7 @@ class Detector:
                             log.values.extend(probe(tensor))
                             log.records.append(compiled)
                 return None
-            if checks and type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type:
+            if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and mode != SKIP_MODE:
                 # the common call, one tensor in and one out: what the general path does, inlined
                 x = args[0]
                 entry = seen.get(id(x))
@@ -215,10 +220,14 @@ class Detector:
                 if output.is_floating_point() or output.is_complex():
                     entry = seen.get(id(output))
                     if entry is None or entry[0]() is not output or entry[1] != output._version:
-                        add(output, OUT, slot)
+                        if mode == PASS_MODE:
+                            seen[id(output)] = (weakref.ref(output), output._version, None)
+                        else:
+                            add(output, OUT, slot)
                 return None
             # a root's output is named field by field (a model's loss is told from its logits)
-            fields = dict((id(t), path or None) for path, t in named_floating_tensors(output)) if named else {}
+            fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
+                      if named and type(output) is not tensor_type else {})
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
                 self._mark_seen(outputs)
