@@ -32,13 +32,6 @@ except ImportError as exc:
 import nanguard
 
 
-def _torch_optimizer(optimizer: Any) -> Any:
-    """The optimizer inside accelerate's ``AcceleratedOptimizer`` (the Trainer prepares its
-    optimizer with accelerate): the wrapper's own step hooks are never called."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if inner is not None and type(optimizer).__name__ == "AcceleratedOptimizer" else optimizer
-
-
 class NanguardCallback(TrainerCallback):
     """Guards the trainer's model and optimizer from the start of training to its end."""
 
@@ -56,11 +49,11 @@ class NanguardCallback(TrainerCallback):
         self.close()  # a guard left open by a train() that ended with another exception
         if model is None:
             return None
-        optimizer = _torch_optimizer(optimizer) if optimizer is not None else None
+        # the Trainer's optimizer is accelerate's wrapper: nanguard.init hooks the optimizer inside
         self.guard = nanguard.init(model, optimizer, scheduler=lr_scheduler, on_stop=self._stopping,
                                    **self.overrides)
-        if state.global_step and hasattr(self.guard, "load_state_dict"):
-            # a resumed run: steps count on from the trainer's
+        if state.global_step and self.guard.settings.replay is None:
+            # a resumed run: steps count on from the trainer's (a replay, from its incident's)
             self.guard.load_state_dict({**self.guard.state_dict(), "step": state.global_step})
         return None
 
