@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import gc
 import json
+import math
 import os
 import platform
 import resource
@@ -134,6 +135,62 @@ class ModelSpec:
     rounds: int
     warmup: int   # untimed steps per variant before the first round
     target: float  # acceptable ratio for the default nanguard variant
+    micro_batches: int = 1  # gradient accumulation: forwards and backwards per optimizer step
+    autocast: torch.dtype | None = None
+    variants: tuple[str, ...] | None = None  # None: every variant
+    guard: tuple[tuple[str, object], ...] = ()  # nanguard settings of this workload
+    extra: str | None = None  # the optional extra its packages come with
+
+
+# --------------------------------------------------------------- real-model workloads
+# Built as the real-model tests build them (tests/realworld/zoo.py), from configs: no downloads.
+# They need the ``realworld`` extra; without it they are skipped with a message.
+
+REALWORLD = Path(__file__).resolve().parents[1] / "tests" / "realworld"
+
+
+def zoo():
+    sys.path.insert(0, str(REALWORLD))
+    import zoo as module
+    return module
+
+
+def build_hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64))
+
+
+def hf_lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+def build_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=64, num_labels=4))
+
+
+def bert_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=y[:, 0] % 4).loss
+
+
+def build_vit_compiled() -> nn.Module:
+    return torch.compile(zoo().vit(), backend="aot_eager")
+
+
+def build_resnet() -> nn.Module:
+    return zoo().resnet()
+
+
+def build_storm() -> nn.Module:
+    """An MLP whose every layer makes NaN: every module bad, every step (on_nan=warn)."""
+    model = build_mlp()
+    with torch.no_grad():
+        for module in model:
+            if isinstance(module, nn.Linear):
+                module.bias.fill_(math.nan)
+    return model
 
 
 MODELS = {
@@ -148,9 +205,26 @@ MODELS = {
         # ~80-250 ms/step on one CPU thread
         ModelSpec("cnn", build_cnn, classification_batch(32, 3, 32, 32), classification_loss,
                   steps=3, rounds=12, warmup=3, target=1.03),
+        # nanoGPT-style: a GPT with 4 micro-batches per optimizer step
+        ModelSpec("nanogpt-accum4", lambda: TinyGPT(vocab=256, seq=64, d_model=64, n_heads=2, n_layers=2),
+                  token_batch(batch=4, seq=64, vocab=256), next_token_loss, steps=5, rounds=12, warmup=5,
+                  target=1.05, micro_batches=4, variants=("plain", "nanguard")),
+        ModelSpec("hf-gpt2", build_hf_gpt2, token_batch(batch=8, seq=64, vocab=512), hf_lm_loss,
+                  steps=10, rounds=12, warmup=5, target=1.05, variants=("plain", "nanguard"), extra="realworld"),
+        ModelSpec("bert-bf16", build_bert, token_batch(batch=8, seq=64, vocab=512), bert_loss,
+                  steps=10, rounds=12, warmup=5, target=1.03, autocast=torch.bfloat16,
+                  variants=("plain", "nanguard"), extra="realworld"),
+        ModelSpec("vit-compiled", build_vit_compiled, classification_batch(8, 3, 32, 32), classification_loss,
+                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard"), extra="realworld"),
+        ModelSpec("resnet-bn", build_resnet, classification_batch(8, 3, 32, 32), classification_loss,
+                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard"), extra="realworld"),
+        ModelSpec("nan-storm", build_storm, classification_batch(64, 64), classification_loss,
+                  steps=50, rounds=12, warmup=10, target=1.5, variants=("plain", "nanguard"),
+                  guard=(("on_nan", "warn"), ("max_events", 64))),
     )
 }
 QUICK = {"mlp": (10, 3, 5), "gpt": (1, 3, 1), "cnn": (1, 3, 1)}  # steps, rounds, warmup
+DEFAULT_MODELS = ("mlp", "gpt", "cnn")  # what `make bench` runs; the others by name (--models)
 
 
 # ------------------------------------------------------------------------- variants
@@ -158,17 +232,17 @@ QUICK = {"mlp": (10, 3, 5), "gpt": (1, 3, 1), "cnn": (1, 3, 1)}  # steps, rounds
 Detach = Callable[[], None]
 
 
-def attach_nothing(model: nn.Module, opt: torch.optim.Optimizer) -> Detach:
+def attach_nothing(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
     return lambda: None
 
 
-def attach_nanguard(**overrides) -> Callable[[nn.Module, torch.optim.Optimizer], Detach]:
-    def attach(model: nn.Module, opt: torch.optim.Optimizer) -> Detach:
-        return nanguard.init(model, opt, **overrides).close
+def attach_nanguard(**overrides) -> Callable[..., Detach]:
+    def attach(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
+        return nanguard.init(model, opt, **(workload | overrides)).close
     return attach
 
 
-def attach_naive_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> Detach:
+def attach_naive_hooks(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
     """Forward hooks as tutorials write them: one blocking check per module output."""
     def check(module: nn.Module, inputs, output) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
@@ -225,13 +299,18 @@ class Runner:
         gen = torch.Generator().manual_seed(SEED + 1)
         self.batch = tuple(t.to(device) for t in spec.make_batch(gen))
         self.loss = spec.loss
+        self.spec = spec
         self.variant = variant
         self.device = device
-        self.detach = variant.attach(self.model, self.opt)
+        self.detach = variant.attach(self.model, self.opt, **dict(spec.guard))
 
     def step(self) -> None:
+        spec = self.spec
         with self.variant.step_context():
-            self.loss(self.model, *self.batch).backward()
+            for _ in range(spec.micro_batches):
+                with torch.autocast(self.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
+                    loss = self.loss(self.model, *self.batch)
+                (loss / spec.micro_batches).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
@@ -409,12 +488,21 @@ def target_cell(spec: ModelSpec, res: Result) -> str:
     return f"<= {spec.target:.2f}: {verdict}"
 
 
+def spread(ratios: list[float]) -> str:
+    """The middle 80% of the per-round paired ratios (min-max with fewer than 10 rounds)."""
+    ordered = sorted(ratios)
+    if not ordered:
+        return ""
+    cut = len(ordered) // 10
+    return f"{ordered[cut]:.3f}-{ordered[len(ordered) - 1 - cut]:.3f}"
+
+
 def print_table(results: list[Result]) -> None:
-    print("| model | variant | ms/step | ratio | paired ratio | target |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| model | variant | ms/step | ratio | paired ratio | paired spread | target |")
+    print("|---|---|---:|---:|---:|---|---|")
     for res in results:
         print(f"| {res.model} | {res.variant} | {res.ms_per_step:.3f} | {res.ratio:.3f} "
-              f"| {res.paired_ratio:.3f} | {target_cell(MODELS[res.model], res)} |")
+              f"| {res.paired_ratio:.3f} | {spread(res.paired_ratios)} | {target_cell(MODELS[res.model], res)} |")
 
 
 def positive_int(text: str) -> int:
@@ -427,8 +515,9 @@ def positive_int(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS),
-                   help="comma-separated subset of: " + ", ".join(MODELS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated subset of: " + ", ".join(MODELS) + " (default: "
+                        + ", ".join(DEFAULT_MODELS) + "; the others need the realworld extra where marked)")
     p.add_argument("--rounds", type=positive_int, help="rounds per model (default: per model)")
     p.add_argument("--steps", type=positive_int, help="steps per variant per round (default: per model)")
     p.add_argument("--warmup", type=int, help="untimed steps per variant (default: per model)")
@@ -450,7 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def schedule(spec: ModelSpec, args: argparse.Namespace) -> tuple[int, int, int]:
-    steps, rounds, warmup = QUICK[spec.name] if args.quick else (spec.steps, spec.rounds, spec.warmup)
+    steps, rounds, warmup = QUICK.get(spec.name, (1, 3, 1)) if args.quick else (spec.steps, spec.rounds, spec.warmup)
     return args.steps or steps, args.rounds or rounds, args.warmup if args.warmup is not None else warmup
 
 
@@ -512,9 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         spec = MODELS[name]
         steps, rounds, warmup = schedule(spec, args)
+        try:
+            spec.build()
+        except ImportError as exc:
+            print(f"{name}: skipped, {exc} (pip install -c constraints.txt -e '.[{spec.extra}]')")
+            continue
         config[name] = {"steps": steps, "rounds": rounds, "warmup": warmup}
-        print(f"{name}: {rounds} rounds x {steps} steps per variant, {warmup} warm-up steps")
-        model_results = benchmark_model(spec, variants, device, steps, rounds, warmup)
+        print(f"{name}: {rounds} rounds x {steps} steps per variant, {warmup} warm-up steps"
+              + (f", {spec.micro_batches} micro-batches a step" if spec.micro_batches > 1 else ""))
+        chosen = [v for v in variants if spec.variants is None or v.name in spec.variants]
+        model_results = benchmark_model(spec, chosen, device, steps, rounds, warmup)
         results += model_results
         print_table(model_results)
     if not args.no_mem:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import incident as capture
 from .._dist import Collectives
-from .._tree import floating_tensors
+from .._tree import floating_tensors, tensors
 from ..config import Settings
 from ..errors import NanguardError, ReplayFinished
 from ..events import Event
@@ -78,6 +78,9 @@ class StepObserver:
     def decided(self, event: Event | None) -> None:
         """A step was decided: its job's first event, or None when it was clean."""
 
+    def batch_given(self, root: nn.Module, batch: Any) -> None:
+        """A micro-batch of ``root`` begins with ``batch`` (``Guard.begin_micro_batch``)."""
+
 
 class Replay(StepObserver):
     """One rank's replay of an incident."""
@@ -87,9 +90,9 @@ class Replay(StepObserver):
         self.rank = rank
         self.world = world
         self.state = incident.rank_state(rank)
-        self.batches = incident.rank_batches(rank)
-        self.rng = incident.rank_rng(rank)
         self.notes: list[str] = []
+        self.batches = incident.rank_batches(rank, self.notes)
+        self.rng = incident.rank_rng(rank)
         self._forwards = 0
         self.trace = Trace(lambda: self._forwards - 1)
         self._model_loaded = False
@@ -228,3 +231,19 @@ class Replay(StepObserver):
             print(f"nanguard replay: rank {self.rank} done; rank 0 prints the report", flush=True)
         collectives.barrier()  # rank 0 has saved the report before any rank leaves
         raise ReplayFinished(report, path)
+
+    def batch_given(self, root: nn.Module, batch: Any) -> None:
+        """Fill the batch a trainer hands over with the captured micro-batch, in place (a trainer
+        passes its own object on; only its contents can be replaced)."""
+        new = self._feed(root, (batch,), {})
+        if new is None:
+            return
+        given, captured = tensors(batch), tensors(new[0][0] if new[0] else None)
+        if [t.shape for t in given] != [t.shape for t in captured]:
+            raise NanguardError("NANGUARD_REPLAY: the batch the trainer gave has other tensors or shapes"
+                                f" ({[list(t.shape) for t in given]}) than the captured one"
+                                f" ({[list(t.shape) for t in captured]}); nothing was fed. Replay with the"
+                                " same data loader settings (batch size) as the run that made the incident")
+        with torch.no_grad():
+            for target, source in zip(given, captured):
+                target.copy_(source)

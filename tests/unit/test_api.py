@@ -158,6 +158,28 @@ def test_exactly_one_host_read_per_clean_step(host_reads, settings):
         assert host_reads["n"] == 10
 
 
+def test_one_host_read_with_batchnorm_a_gradscaler_and_the_flight_recorder(host_reads):
+    # buffers kept and checked, the scaler's scale recorded, gradients taken as produced:
+    # all of it rides on the one read
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with nanguard.init(model, optimizer, scaler=scaler) as guard:
+        host_reads["n"] = 0
+        for _ in range(6):
+            loss = nn.functional.cross_entropy(model(torch.randn(5, 8)), torch.randint(0, 4, (5,)))
+            guard.check(loss)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        reads = host_reads["n"]
+    assert guard.step == 6
+    # nanguard reads once a step (the scaler's own reads of its found-inf flag are not counted)
+    assert reads == 6, reads
+
+
 def test_a_bad_step_reads_more_only_once_it_is_bad(host_reads):
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -233,3 +255,18 @@ def test_cli_inspect_reads_a_captured_incident(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 0 and report["first_event"]["layer"] == "2"
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_run_id_too_long_for_the_wire_never_fails_init(monkeypatch):
+    from nanguard.protocol import MAX_JOB_LENGTH, job_name
+
+    long_a, long_b = "a" * 300, "a" * 299 + "b"
+    assert len(job_name(long_a)) <= MAX_JOB_LENGTH and job_name(long_a) != job_name(long_b)
+    assert job_name("run-7") == "run-7" and job_name(None) == "local"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", long_a)
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # nothing listens there: the link retries in the background, training is not held up
+    with nanguard.init(model, optimizer, coordinator="tcp://127.0.0.1:9", heartbeat_s=0.05) as guard:
+        train_step(model, optimizer, guard)
+        assert guard.step == 1
