@@ -210,10 +210,9 @@ class Guard:
 
     # ------------------------------------------------------------------ the steps
     def _on_step_start(self) -> None:
-        # The RNG as it was when the step began, for the capture: small host copies (about
-        # 20 us). numpy's state is read at the capture instead (it costs 80 us to read, and the
-        # forward, backward and optimizer step of a training loop do not draw from it).
-        self._rng = rng_snapshot(numpy=False)
+        # torch's RNG as it was when the step began, for the capture: small copies (a few us).
+        # python's and numpy's are read at the capture instead (incident/rng.py says why).
+        self._rng = rng_snapshot(host=False)
 
     def _on_root_end(self) -> None:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
