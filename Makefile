@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning,plot]'
 	touch $(STAMP)
 
 demo: $(STAMP)

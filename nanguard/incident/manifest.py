@@ -10,6 +10,7 @@ Layout (``FORMAT_VERSION`` 1)::
                               rng.pt      rng_snapshot() from the start of the step
                               events.json [Event.to_dict(), ...]
                               environment.json
+                              flight.json  the flight recorder (optional: older incidents have none)
 
 The manifest lists every file with its size and sha256; nothing a manifest names is read before
 all of its structure has been checked, and only the file names above may appear in it, so a
@@ -35,8 +36,8 @@ REPLAY = "replay.json"
 VERDICTS = ("reproducible", "not_reproducible")
 
 STATE, BATCHES, RNG = "state.pt", "batches.pt", "rng.pt"
-EVENTS, ENVIRONMENT = "events.json", "environment.json"
-RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT)
+EVENTS, ENVIRONMENT, FLIGHT = "events.json", "environment.json", "flight.json"
+RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT, FLIGHT)
 REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

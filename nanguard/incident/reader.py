@@ -11,7 +11,18 @@ import torch
 
 from ..errors import IncidentError, ProtocolError
 from ..events import Event
-from .manifest import BATCHES, ENVIRONMENT, EVENTS, MANIFEST, REPLAY, RNG, STATE, check_manifest, rank_folder
+from .manifest import (
+    BATCHES,
+    ENVIRONMENT,
+    EVENTS,
+    FLIGHT,
+    MANIFEST,
+    REPLAY,
+    RNG,
+    STATE,
+    check_manifest,
+    rank_folder,
+)
 
 
 def _json(path: str) -> Any:
@@ -89,6 +100,14 @@ class Incident:
 
     def environment(self, rank: int) -> dict[str, Any]:
         return _json(self._file(rank, ENVIRONMENT))
+
+    def rank_flight(self, rank: int) -> Any:
+        """The rank's flight recorder as JSON data (check it: ``incident.flight.parse``), or None
+        when the incident has none (older incidents)."""
+        path = self._file(rank, FLIGHT)
+        if f"{rank_folder(rank)}/{FLIGHT}" not in self.manifest["ranks"][rank]["files"]:
+            return None
+        return _json(path)
 
     def replay_report(self) -> dict[str, Any] | None:
         """The report of the last replay (replay.json), or None if the incident was not replayed."""

@@ -56,6 +56,14 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.sum()
 
 
+def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
+    """Whether settings ``skip_types`` / ``skip_modules`` name ``module`` (called ``name``): its
+    outputs may be non-finite on purpose. Its children are skipped with it (``attach``)."""
+    cls = type(module)
+    return any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
+               for t in skip_types) or any(fnmatch.fnmatchcase(name, p) for p in skip_modules)
+
+
 class Detector:
     """Installs the hooks and keeps the probes of the current step (``log``)."""
 
@@ -161,9 +169,7 @@ class Detector:
         self.reset()
 
     def _mode(self, module: nn.Module, name: str) -> int:
-        cls = type(module)
-        if any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
-               for t in self._skip_types) or any(fnmatch.fnmatchcase(name, p) for p in self._skip_modules):
+        if skipped(module, name, self._skip_types, self._skip_modules):
             return SKIP_MODE
         if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
             return PASS_MODE
