@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -96,8 +97,9 @@ class Replay(StepObserver):
         self.batches = incident.rank_batches(self.rank)
         self.rng = incident.rank_rng(self.rank)
         self._forwards = 0
-        self.trace = Trace(lambda: self._forwards - 1)
         self.ops = OpWatch(lambda: self._forwards - 1) if settings.replay_ops else None
+        self.trace = Trace(lambda: self._forwards - 1, self.ops.paused if self.ops is not None else
+                           contextlib.nullcontext)
         self._root: nn.Module | None = None
         self._skipped: set[str] = set()
         self._model_loaded = False

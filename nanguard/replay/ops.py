@@ -13,8 +13,9 @@ Slow on purpose (one device sync per operation); used for the replayed step only
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,10 +54,25 @@ class _Mode(TorchDispatchMode):
         return self.watch.on_op(func, args, kwargs or {})
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Exact, and fast: a finite sum proves every element finite (a NaN or an Inf makes any sum
+    non-finite); a sum that is not (or overflowed) is settled by the extremes, where a NaN or an
+    Inf always shows. ``isfinite().all()`` is 20 to 100 times slower on a CPU."""
+    tensor = forensics.plain(tensor)
+    if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.layout != torch.strided:
+        return True
+    if tensor.device.type == "meta":
+        return True
+    wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+    if math.isfinite(float(tensor.sum(dtype=wide))):
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
 def _first_bad(out: Any) -> torch.Tensor | None:
     for leaf in tree_leaves(out):
-        if (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta"
-                and not forensics.is_finite(leaf)):
+        if isinstance(leaf, torch.Tensor) and not all_finite(leaf):
             return leaf
     return None
 
@@ -72,7 +88,7 @@ def _finite(value: Any) -> bool:
     if isinstance(value, _Unkept):
         return value.finite
     if isinstance(value, torch.Tensor):
-        return value.device.type == "meta" or value.layout != torch.strided or forensics.is_finite(value)
+        return all_finite(value)
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, complex):
@@ -95,6 +111,16 @@ class OpWatch:
         self._stack: list[tuple[str, str, dict[int, Any]]] = []
         self._mode: _Mode | None = None
         self._anomaly: Any = None
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Operations run inside are not judged: nanguard's own looks at tensors (the trace)."""
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     # ------------------------------------------------------------------ the modules
     def install(self, root: nn.Module, skipped: set[str]) -> list[Any]:
@@ -151,7 +177,7 @@ class OpWatch:
     # ------------------------------------------------------------------ each operation
     def on_op(self, func, args: tuple, kwargs: dict) -> Any:
         name = func.name()
-        if (name in _UNINITIALISED or func.namespace in _COLLECTIVES
+        if (self._paused or name in _UNINITIALISED or func.namespace in _COLLECTIVES
                 or all(len(r) >= LIMIT for r in self.records.values())):
             return func(*args, **kwargs)
         before = _before(func, args, kwargs)
