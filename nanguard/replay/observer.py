@@ -147,6 +147,7 @@ class Replay(StepObserver):
         self._model_loaded = True
         self._root = root
         self._install(root, param_names, back)
+
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
         first step), and the scaler's and scheduler's given to ``init``."""
@@ -186,6 +187,8 @@ class Replay(StepObserver):
             return args
         new_args, new_kwargs = new
         if floating_tensors(new_kwargs) or any(isinstance(v, torch.Tensor) for v in new_kwargs.values()):
+            if self.ops is not None:
+                self.ops.stop()  # the replay ends here: leave no mode behind
             raise NanguardError(
                 "NANGUARD_REPLAY: the captured batch passes tensors by keyword "
                 f"({', '.join(sorted(new_kwargs))}), which a bare nanguard.init() cannot put into the"

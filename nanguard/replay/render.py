@@ -114,7 +114,8 @@ def _samples(start: int, stop: int) -> str:
 def _micro_batch(entry: dict[str, Any]) -> str:
     outcome = entry["outcome"]
     if outcome in ("clean", "capped", "error", None):
-        return {"clean": "clean when run again alone (forward and backward)",
+        return {"clean": "clean when run again alone (every module's output, and the parameters' gradients"
+                         " of a backward of ones into the model's outputs)",
                 "capped": "not run: the cap of runs was reached"}.get(outcome, entry.get("note") or "not run")
     bad = entry["bad"]
     text = f"bad in {outcome} when run again alone (checked: {entry['checked']})"

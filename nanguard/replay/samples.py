@@ -30,6 +30,9 @@ from .quiet import quiet, restore_buffers, saved_buffers
 
 MAX_RUNS = 64  # runs of the model per rank: 2 bad samples of 4096 take about 50
 CLEAN, FORWARD, BACKWARD, CAPPED = "clean", "forward", "backward", "capped"
+CHECKED = {False: "every module's output",
+           True: "every module's output, and the parameters' gradients of a backward of ones into the"
+                 " model's outputs (not the script's loss)"}
 
 
 def batch_size(batch: Mapping[str, Any]) -> int | None:
@@ -195,7 +198,7 @@ def _search_one(runner: Runner, index: int, batch: Mapping[str, Any], key: str |
             entry.update(outcome="error", note=f"the whole micro-batch did not run again: {outcome}")
         return entry
     backward = outcome == BACKWARD
-    entry["checked"] = "forward and backward" if backward else "forward"
+    entry["checked"] = CHECKED[backward]
     bad, unresolved = _bisect(runner, batch, size, backward)
     entry.update(bad=bad, unresolved=unresolved)
     if bad and not unresolved and len(bad) < size:

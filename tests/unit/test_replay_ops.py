@@ -167,6 +167,9 @@ def test_nan_born_in_a_custom_autograd_backward(monkeypatch, capsys):
     assert op["source"]["line"] == line_of(HalfSqrt.backward, "born in backward")
     assert op["forward_source"]["line"] == line_of(Rooted.forward, "made in forward")
     assert op["why"].startswith("divisor (other) has ")
+    # the sample search saw it in backward too, and says with what: not the script's loss
+    entry = report["samples"]["0"]["micro_batches"][0]
+    assert entry["outcome"] == "backward" and "not the script's loss" in entry["checked"]
     out = capsys.readouterr().out
     assert "backward node HalfSqrtBackward (custom backward at" in out
     assert "made in the forward at" in out

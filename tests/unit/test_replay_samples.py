@@ -61,7 +61,7 @@ def test_two_poisoned_samples_of_64(monkeypatch, capsys):
     found = report["samples"]["0"]
     assert found["searched"] and not found["capped"] and found["runs"] <= 30
     (entry,) = found["micro_batches"]
-    assert entry["outcome"] == "forward" and entry["checked"] == "forward"
+    assert entry["outcome"] == "forward" and entry["checked"] == "every module's output"
     assert entry["bad"] == list(POISONED) and entry["unresolved"] == []
     assert entry["ids"] == [3017, 3050] and entry["rest_clean"] is True
     assert found["mixing"] == []
