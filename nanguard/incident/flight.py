@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 VERSION = 1
-COLUMNS = ("step", "loss", "grad_norm", "scale", "lr", "step_time_s")
 DRAWN = ("loss", "grad_norm")
 MAX_ROWS = 100_000
 MAX_TOP = 1_000
