@@ -37,6 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from .protocol import job_name
+
 log = logging.getLogger("nanguard")
 
 _GLOO_WORKER = "pt_gloo_runloop"
@@ -68,15 +70,27 @@ class RankInfo:
     pid: int
     run_id: str | None
     """TORCHELASTIC_RUN_ID: the same on every rank of a job, and across its restarts"""
+    restart: int = 0
+    """TORCHELASTIC_RESTART_COUNT: how many times the job's workers were restarted"""
 
     @property
     def job(self) -> str:
-        return self.run_id or "local"
+        """The job as the coordinator knows it (a run id too long for the wire is shortened)."""
+        return job_name(self.run_id)
+
+    @property
+    def incidents_as(self) -> str | None:
+        """What incident folder names start with: the run id, and the restart when there was one
+        (a restarted job replays the same steps: its incidents must not read as the first run's)."""
+        if self.restart and self.run_id:
+            return f"{self.run_id}-restart{self.restart}"
+        return self.run_id or (f"restart{self.restart}" if self.restart else None)
 
     @classmethod
     def from_env(cls) -> RankInfo:
         return cls(local_rank=_env_int("LOCAL_RANK", 0), host=socket.gethostname(), pid=os.getpid(),
-                   run_id=os.environ.get("TORCHELASTIC_RUN_ID") or None)
+                   run_id=os.environ.get("TORCHELASTIC_RUN_ID") or None,
+                   restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 class Collectives:

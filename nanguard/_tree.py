@@ -3,7 +3,9 @@
 Containers are tuples (namedtuples and ``torch.Size`` included), lists, mappings (dicts,
 ``OrderedDict``, ``UserDict`` such as Hugging Face's ``BatchEncoding``, ``ModelOutput``) and
 dataclass instances; anything else is a leaf. Nesting deeper than ``MAX_DEPTH`` is not entered.
-Both functions see the same tensors in the same order: what is checked is what is captured.
+Both functions see the same tensors of containers in the same order: what is checked is what is
+captured. ``floating_tensors`` also looks into the attributes of other objects that hold tensors
+(a ``torch.distributions.Normal`` a module returns), which a capture keeps only by name.
 """
 
 from __future__ import annotations
@@ -29,18 +31,57 @@ def _items(obj: Any) -> Iterable[Any] | None:
     return None
 
 
+def _held(obj: Any) -> Iterable[Any] | None:
+    """The attributes of an object that are tensors or containers (not other objects, so that a
+    walk never wanders through a model or a tokenizer), or None."""
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(obj, (type, torch.nn.Module)):
+        return None
+    return [value for value in attributes.values() if isinstance(value, torch.Tensor) or _items(value) is not None]
+
+
+def tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor in the containers of ``obj``, in order (what ``map_tensors`` maps)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = _items(obj) if _depth < MAX_DEPTH else None
+    return [t for item in items or () for t in tensors(item, _depth + 1)]
+
+
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in ``obj``, in order."""
     if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # a hook's common call
         return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() or obj.is_complex() else []
-    items = _items(obj) if _depth < MAX_DEPTH else None
+    items = (_items(obj) or _held(obj)) if _depth < MAX_DEPTH else None
     if items is None:
         return []
     found: list[torch.Tensor] = []
     for item in items:
         found.extend(floating_tensors(item, _depth + 1))
+    return found
+
+
+def named_floating_tensors(obj: Any, _path: str = "", _depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """``floating_tensors`` with where each one is: a mapping's key ("loss"), a sequence's index
+    ("[1]"), a dataclass's field, joined by "." ("past_key_values.[0]"); "" for ``obj`` itself."""
+    if isinstance(obj, torch.Tensor):
+        return [(_path, obj)] if obj.is_floating_point() or obj.is_complex() else []
+    if _depth >= MAX_DEPTH:
+        return []
+    if isinstance(obj, (list, tuple)):
+        named = [(f"[{i}]", item) for i, item in enumerate(obj)]
+    elif isinstance(obj, Mapping):
+        named = [(str(key), value) for key, value in obj.items()]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        named = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    else:
+        named = [(key, value) for key, value in vars(obj).items()
+                 if isinstance(value, torch.Tensor) or _items(value) is not None] if _held(obj) is not None else []
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, item in named:
+        found.extend(named_floating_tensors(item, f"{_path}.{name}" if _path else name, _depth + 1))
     return found
 
 

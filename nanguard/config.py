@@ -103,6 +103,9 @@ class Settings:
         10.0, float, "warn when the gradient norm exceeds this many times its running level"
     )
     spike_warmup_steps: int = _setting(10, int, "clean steps before the spike detector arms")
+    flight_steps: int = _setting(
+        1000, int, "steps of per-step scalars (loss, gradient norms, scale, lr) incidents keep; 0: none"
+    )
     param_grad_norms: bool = _setting(
         False, _parse_bool, "read every parameter's gradient norm each step (more detail, a bigger read)"
     )
@@ -125,6 +128,8 @@ class Settings:
                 raise ConfigError(str(exc).replace("coordinator address ", "coordinator=", 1)) from None
         if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
             raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")
+        if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
+            raise ConfigError(f"flight_steps={self.flight_steps!r} must be an integer >= 0")
         for name in ("max_events", "max_pending", "spike_warmup_steps", "event_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

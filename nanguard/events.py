@@ -45,7 +45,7 @@ class Event:
     """Where and what: one non-finite tensor (or a gradient-norm warning) seen on one rank."""
 
     kind: str
-    """forward | loss | check | backward | grad | grad_norm | spike"""
+    """forward | loss | check | backward | grad | buffer | grad_norm | spike"""
     rank: int
     step: int
     """0-based index of the optimizer step it happened in"""
@@ -54,6 +54,9 @@ class Event:
     module_type: str = ""
     micro_batch: int | None = None
     """which forward of the root module within the step (gradient accumulation), if known"""
+    output_field: str | None = None
+    """where in the module's output the value was, when the output is a container ("loss",
+    "logits", "[1]")"""
     has_nan: bool = False
     has_inf: bool = False
     input_nonfinite: bool | None = None
@@ -105,11 +108,14 @@ class Event:
             "check": "non-finite value in",
             "backward": "non-finite gradient flowing into the output of",
             "grad": "non-finite gradient of",
+            "buffer": "non-finite buffer",
             "grad_norm": "large gradient norm",
             "spike": "gradient norm spike",
         }[self.kind]
         if self.kind == "forward" and self.input_nonfinite:
             what = "non-finite input to"
+        elif self.output_field is not None:
+            what = f"non-finite {self.output_field!r} in the output of"
         # the root module's own name is empty: "the model" rather than a gap
         name = self.layer or ("the model" if self.module_type else "")
         subject = "" if self.kind in ("loss", "grad_norm", "spike") else f" {name}"
@@ -123,7 +129,9 @@ class Event:
     def detail(self) -> str:
         if self.kind in WARN_KINDS:
             return self.message
-        if self.numel is not None and self.bad_count is not None:
+        if self.shape == () and self.first_value is not None:
+            text = f"the value is {self.first_value}"  # a 0-d tensor (a loss): no counts, no index
+        elif self.numel is not None and self.bad_count is not None:
             counts = []
             if self.nan_count:
                 counts.append(f"{self.nan_count} NaN")
@@ -138,8 +146,8 @@ class Event:
             elif self.bad_count == self.numel:
                 text += "; no finite values"
         else:
-            # without the tensor, only its sum is known: NaN there may also be +Inf meeting -Inf
-            text = "NaN (or Infs of both signs)" if self.has_nan else "Inf" if self.has_inf else "non-finite"
+            # without the tensor, only its extremes are known
+            text = "NaN" if self.has_nan else "Inf" if self.has_inf else "non-finite"
             if self.shape is not None:
                 text += f" in a tensor of shape {list(self.shape)}"
         return text + (f"; {self.message}" if self.message else "")
@@ -153,12 +161,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Event) if f.default i
 _DEFAULTS["extra"] = {}
 _REQUIRED = ("kind", "rank", "step", "layer")
 # what each checked field must hold; the others (flags, dtype, time) are taken as they come
-_INT, _OPTIONAL_INT, _FLOAT, _STR, _INTS, _OBJECT = range(6)
+_INT, _OPTIONAL_INT, _FLOAT, _STR, _INTS, _OBJECT, _OPTIONAL_STR = range(7)
 _CHECKS = {
     "rank": _INT, "step": _INT,
     **dict.fromkeys(("micro_batch", "numel", "bad_count", "nan_count", "inf_count"), _OPTIONAL_INT),
     **dict.fromkeys(("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"), _FLOAT),
     **dict.fromkeys(("layer", "module_type", "host", "message"), _STR),
+    "output_field": _OPTIONAL_STR,
     "shape": _INTS, "first_index": _INTS, "extra": _OBJECT,
 }
 _INT_TYPE = frozenset((int,))
@@ -167,6 +176,7 @@ _NONE = type(None)
 _TYPE_RULES = {
     _INT: ((int,), None), _OPTIONAL_INT: ((int, _NONE), None), _FLOAT: ((float, int, str, _NONE), (float, _NONE)),
     _STR: ((str,), None), _INTS: ((list, tuple, _NONE), (_NONE,)), _OBJECT: ((dict,), None),
+    _OPTIONAL_STR: ((str, _NONE), None),
 }
 
 
@@ -219,8 +229,8 @@ def _check_value(check: int, name: str, value: Any) -> Any:
     elif check == _FLOAT:
         if value.__class__ is not float and value is not None:
             return read_float(value, name)
-    elif check == _STR:
-        if not isinstance(value, str):
+    elif check == _STR or check == _OPTIONAL_STR:
+        if not isinstance(value, str) and (value is not None or check == _STR):
             raise ProtocolError(f"event field {name}={value!r} is not a string")
     elif check == _INTS:
         if value is not None:

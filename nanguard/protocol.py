@@ -7,18 +7,19 @@ says it is, and what a coordinator address looks like. No torch, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Literal
 
 # --- events ---------------------------------------------------------------------------------
-STOP_KINDS = ("forward", "loss", "check", "backward", "grad")
+STOP_KINDS = ("forward", "loss", "check", "backward", "grad", "buffer")
 """event kinds that stop a step"""
 WARN_KINDS = ("grad_norm", "spike")
 """event kinds that only warn"""
 KINDS = STOP_KINDS + WARN_KINDS
-FIRST_EVENT_ORDER = {"forward": 0, "check": 1, "loss": 1, "backward": 2, "grad": 3}
+FIRST_EVENT_ORDER = {"forward": 0, "buffer": 1, "check": 1, "loss": 1, "backward": 2, "grad": 3}
 """which kind is the job's first event when several ranks saw something in one step: a forward
 producer beats what it poisoned downstream (the loss, then the gradients)"""
 
@@ -42,6 +43,18 @@ or a type that does not travel to the coordinator (``nanguard_bad_message_reason
 
 # --- who a rank is (the body of its ``hello``) -------------------------------------------------
 IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
+MAX_JOB_LENGTH = 128
+
+
+def job_name(run_id: str | None) -> str:
+    """The job a rank reports: TORCHELASTIC_RUN_ID, else "local". A run id too long for the wire
+    keeps its start and gains a digest of the whole, so that two long ids still differ."""
+    if not run_id:
+        return "local"
+    if len(run_id) <= MAX_JOB_LENGTH:
+        return run_id
+    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{run_id[:MAX_JOB_LENGTH - 17]}-{digest}"
 
 # --- addresses --------------------------------------------------------------------------------
 _TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5}|\*)")

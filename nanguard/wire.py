@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import event_values
-from .protocol import IDENTITY_FIELDS, ORIGINS, POLICIES, STOP_REASONS
+from .protocol import IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, POLICIES, STOP_REASONS
 
 VERSION = 1
 MAX_BYTES = 64 * 1024
@@ -145,14 +145,14 @@ _RANK = _integer(0, MAX_RANK - 1)
 _WORLD = _integer(1, MAX_RANK)
 _COUNT = _integer(0, _MAX_SEQ)
 _PID = _integer(0, (1 << 32) - 1)
-_JOB = _text(128)
+_JOB = _text(MAX_JOB_LENGTH)
 _HOST = _text(255)
 _COMMAND_ID = _text(64)
 _REASON = _text(500)
 _SECONDS = _number(0.0, 1e9)
 _TIMESTAMP = _number(0.0, 1e11)
 _GRAD_NORM = _optional(_number(0.0, math.inf, nonfinite=True))
-_EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "message": 2000}
+_EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "message": 2000, "output_field": 256}
 
 
 def _event(value: Any) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def _event(value: Any) -> dict[str, Any]:
     if values["rank"] < 0 or values["step"] < 0:
         raise ValueError(f": negative rank or step ({values['rank']}, {values['step']})")
     for name, max_len in _EVENT_TEXT_MAX.items():
-        if len(values.get(name, "")) > max_len:
+        if len(values.get(name) or "") > max_len:
             raise ValueError(f".{name}: longer than {max_len} characters")
     return values
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
 
 from ..protocol import BAD_MESSAGE_REASONS, STOP_KINDS, STOP_REASONS
+
 _MAX_INCIDENTS = 65536
 
 log = logging.getLogger("nanguard.coordinator")

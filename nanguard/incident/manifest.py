@@ -1,7 +1,7 @@
 """The incident format: its names, the manifest that marks a complete incident, and every rule
 a manifest and a rank record must follow.
 
-Layout (``FORMAT_VERSION`` 1)::
+Layout (``FORMAT_VERSION`` 2)::
 
     <root>/<incident>/manifest.json      written last, by one rank, once every rank is done
     <root>/<incident>/replay.json        the replay report, once a replay has run
@@ -30,7 +30,9 @@ from ..events import Event
 from .fsio import digest, plain
 
 FORMAT = "nanguard-incident"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""1: batches.pt pickled (no longer loaded); 2: batches.pt as data (incident/batches.py)"""
 MANIFEST = "manifest.json"
 REPLAY = "replay.json"
 VERDICTS = ("reproducible", "not_reproducible")
@@ -38,7 +40,7 @@ VERDICTS = ("reproducible", "not_reproducible")
 STATE, BATCHES, RNG = "state.pt", "batches.pt", "rng.pt"
 EVENTS, ENVIRONMENT, FLIGHT = "events.json", "environment.json", "flight.json"
 RANK_FILES = (STATE, BATCHES, RNG, EVENTS, ENVIRONMENT, FLIGHT)
-REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch
+REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with capture_batch; flight.json optional
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TAMPERED = "tampered or truncated; nothing was loaded (copy the incident again from where it was written)"
@@ -118,11 +120,11 @@ def _check_structure(path: str, manifest: Any) -> list[dict[str, Any]]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IncidentError(path, f"is not a nanguard incident manifest (its \"format\" is not {FORMAT!r})")
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         hint = ("upgrade nanguard to read it" if isinstance(version, int) and version > FORMAT_VERSION
                 else "it was not written by a released nanguard")
-        raise IncidentError(path, f"format version {version!r} is not supported (this nanguard reads version "
-                                  f"{FORMAT_VERSION}); {hint}")
+        raise IncidentError(path, f"format version {version!r} is not supported (this nanguard reads versions "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}); {hint}")
     for key, kind in _FIELD_TYPES.items():
         if not isinstance(manifest.get(key), kind) or (kind is int and isinstance(manifest[key], bool)):
             raise IncidentError(path, f"field {key!r} is missing or has the wrong type; "

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import IncidentError, ProtocolError
 from ..events import Event
+from .batches import decode
 from .manifest import (
     BATCHES,
     ENVIRONMENT,
@@ -74,15 +75,32 @@ class Incident:
         """{"model": state_dict, "optimizer": state_dict or None, "extra": {"scaler": ..., ...}}."""
         return _torch_load(self._file(rank, STATE), weights_only=True, map_location=map_location)
 
-    def rank_batches(self, rank: int) -> list[Any] | None:
-        """The step's micro-batches, [{"args": ..., "kwargs": ...}, ...]; None without capture_batch."""
+    def rank_batches(self, rank: int, notes: list[str] | None = None) -> list[Any] | None:
+        """The step's micro-batches, [{"args": ..., "kwargs": ...}, ...]; None without capture_batch.
+
+        Loaded as data only (weights_only): an incident folder may come from anywhere, and
+        unpickling runs code. What could not be rebuilt as it was fed is added to ``notes``.
+        """
         if not self.manifest["capture_batch"]:
             return None
-        # Batches are arbitrary Python containers (namedtuples, dataclasses of the user's code),
-        # which weights_only loading refuses, so this is a full unpickle. The sha256 check in
-        # read_incident guarantees these are the bytes the capture wrote (not corrupted or cut
-        # short); like any pickle, only replay incidents from a source you trust.
-        return _torch_load(self._file(rank, BATCHES), weights_only=False)
+        path = self._file(rank, BATCHES)
+        notes = [] if notes is None else notes
+        try:
+            batches = decode(_torch_load(path, weights_only=True), notes)
+        except IncidentError as exc:
+            written = ("an incident written by nanguard 0.1, which pickled them" if self.manifest["version"] < 2
+                       else "not as nanguard writes them: the folder is damaged or was crafted")
+            raise IncidentError(path, f"holds Python objects that only unpickling would rebuild ({written});"
+                                      " nanguard does not unpickle incident files (an incident folder is data,"
+                                      " and unpickling runs code), so nothing was loaded") from exc
+        except (ValueError, TypeError) as exc:
+            raise IncidentError(path, f"does not hold batches as nanguard writes them ({exc}); the"
+                                      " folder is damaged or was crafted; nothing was loaded") from exc
+        if not isinstance(batches, list) or not all(
+                isinstance(b, dict) and set(b) == {"args", "kwargs"} for b in batches):
+            raise IncidentError(path, "does not hold a list of {args, kwargs} micro-batches; the folder"
+                                      " is damaged or was crafted; nothing was loaded")
+        return batches
 
     def rank_rng(self, rank: int) -> dict[str, Any]:
         """The rank's ``rng_snapshot()`` from the start of the step, for ``rng_restore``."""
@@ -98,16 +116,16 @@ class Incident:
         except ProtocolError as exc:
             raise IncidentError(path, f"holds an invalid event ({exc})") from exc
 
-    def environment(self, rank: int) -> dict[str, Any]:
-        return _json(self._file(rank, ENVIRONMENT))
-
     def rank_flight(self, rank: int) -> Any:
-        """The rank's flight recorder as JSON data (check it: ``incident.flight.parse``), or None
-        when the incident has none (older incidents)."""
-        path = self._file(rank, FLIGHT)
+        """The rank's flight.json as written (rank/flight.py's format), or None where it was not
+        kept (flight_steps=0, or an incident older than the recorder); not validated here
+        (``incident.flight.parse`` checks it)."""
         if f"{rank_folder(rank)}/{FLIGHT}" not in self.manifest["ranks"][rank]["files"]:
             return None
-        return _json(path)
+        return _json(self._file(rank, FLIGHT))
+
+    def environment(self, rank: int) -> dict[str, Any]:
+        return _json(self._file(rank, ENVIRONMENT))
 
     def replay_report(self) -> dict[str, Any] | None:
         """The report of the last replay (replay.json), or None if the incident was not replayed."""

@@ -27,11 +27,13 @@ from .. import __version__
 from .._tree import map_tensors
 from ..errors import IncidentError
 from ..events import Event
+from .batches import encode
 from .fsio import fsync_dir, write_json, write_torch
 from .manifest import (
     BATCHES,
     ENVIRONMENT,
     EVENTS,
+    FLIGHT,
     MANIFEST,
     REPLAY,
     RNG,
@@ -145,10 +147,11 @@ def new_incident_dir(root: str, incident_id: str) -> str:
 def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], optimizer_state: Any = None,
                extra_states: Mapping[str, Any] | None = None, batches: list[Any] | None = None,
                rng: Mapping[str, Any], events: Iterable[Event],
-               environment: Mapping[str, Any]) -> dict[str, Any]:
+               environment: Mapping[str, Any], flight: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Writes this rank's part of the incident as ``<incident_dir>/rank<rank>``, all of it or nothing.
 
-    ``batches`` (already ``to_cpu``'ed) is None when the batch must not be written to disk;
+    ``batches`` (the micro-batches as fed, written as data: ``batches.encode``, tensors copied to
+    the CPU) is None when the batch must not be written to disk;
     ``rng`` is an ``rng_snapshot()``; ``environment`` an ``environment_record()``. States are
     saved as given (tensors on any device; ``torch.load`` puts them on the CPU).
     Returns the rank record for ``finalize``: {"rank": k, "files": {"rank<k>/state.pt":
@@ -169,7 +172,9 @@ def write_rank(incident_dir: str, rank: int, *, model_state: Mapping[str, Any], 
         ENVIRONMENT: lambda p: write_json(p, environment),
     }
     if batches is not None:
-        contents[BATCHES] = lambda p: write_torch(p, list(batches))
+        contents[BATCHES] = lambda p: write_torch(p, encode(list(batches)))
+    if flight is not None:
+        contents[FLIGHT] = lambda p: write_json(p, flight)
     try:
         # left over by a killed process that had our pid (pids repeat across containers): ours now
         shutil.rmtree(tmp, ignore_errors=True)
@@ -280,10 +285,12 @@ class RankPart:
     extra_states: Mapping[str, Any] = field(default_factory=dict)
     """other state_dicts by name ("scaler", "scheduler", ...)"""
     batches: list[Any] | None = None
-    """the step's micro-batches as fed, [{"args": ..., "kwargs": ...}, ...]; copied to the CPU when
-    written; None: the batch must not go to disk"""
+    """the step's micro-batches as fed, [{"args": ..., "kwargs": ...}, ...]; copied to the CPU as
+    data when written (``batches.encode``); None: the batch must not go to disk"""
     settings: Any = None
     """the guard's settings as plain data (no secrets), for environment.json"""
+    flight: Mapping[str, Any] | None = None
+    """the flight recorder's rows (rank/flight.py), for flight.json"""
 
 
 def capture_incident(collectives: Collectives, root: str, first_event: Event,
@@ -334,8 +341,8 @@ def _write_part(path: str, rank: int, world_size: int,
         part = collect()
         return write_rank(
             path, rank, model_state=part.model_state, optimizer_state=part.optimizer_state,
-            extra_states=part.extra_states, batches=None if part.batches is None else to_cpu(part.batches),
-            rng=part.rng, events=part.events,
+            extra_states=part.extra_states, batches=part.batches,
+            rng=part.rng, events=part.events, flight=part.flight,
             environment=environment_record(rank=rank, world_size=world_size, settings=part.settings))
     except Exception:  # noqa: BLE001
         # Whatever failed here (a state_dict, a copy, the disk), this rank must still reach the

@@ -1,7 +1,8 @@
 """The rank side: what runs inside every training process.
 
     guard.py      Guard and init(): lifecycle and wiring (hooks, optimizer step, the step's flow)
-    detector.py   the hooks: one probe per checked tensor, no host sync
+    detector.py   the forward hooks: one exact probe per checked tensor, no host sync
+    backward.py   DDP buckets before their all-reduce; gradients as the backward pass leaves them
     records.py    what the hooks leave: the module catalogue and one step's probe records
     decision.py   one stack, one all-reduce, one read per step; agreeing on the job's first event
     diagnose.py   probe records of a bad step -> the Event that names where it was born

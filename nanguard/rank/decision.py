@@ -10,17 +10,25 @@ ranks look closer (``diagnose``) and agree on the job's first event.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._dist import Collectives
+from .._dist import Collectives, RankInfo
+from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
-from . import forensics
+from . import diagnose, forensics
+from .detector import Detector
 from .diagnose import Finding
+
+if TYPE_CHECKING:
+    from ..replay import StepObserver
+    from .respond import Responder
 
 
 @dataclass(slots=True)
@@ -63,25 +71,37 @@ class Reading:
     stop: bool
     """a stop was requested, on some rank"""
     probes: list[float]
+    """minimum and maximum of every OUT and CHECK probe, flattened"""
     norms: list[float]
+    evidence: list[float]
+    """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
     local_grads_bad: bool | None
+    buffers: list[float] = ()
+    """norms of the buffers the step wrote"""
+    extras: list[float] = ()
+    """values read along for the flight recorder (the GradScaler's scale)"""
     """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
-              collectives: Collectives | None, *, early: bool, stop: bool,
-              watches_buckets: bool) -> Reading | None:
+              collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
+              evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = (),
+              extras: list[torch.Tensor] = ()) -> Reading | None:
     """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
-    None when there is nothing to read and no one to agree with.
+    ``evidence`` is read with the rest but cannot make the step bad. None when there is nothing
+    to read and no one to agree with.
     """
-    parts = probes + norms + buckets
+    faults = probes + norms + buckets + list(buffers)
+    parts = faults + list(evidence) + list(extras)
     if not parts and collectives is None:
         return None
     vector = stack(parts) if parts else torch.zeros(0, device=collectives.device())
     if collectives is not None:
-        flags = torch.stack([vector.sum() + (math.nan if early else 0.0),
+        # x * 0 is 0 for every finite x and NaN otherwise: a sum of huge finite values cannot overflow
+        fault = vector[:len(faults)].mul(0).sum()
+        flags = torch.stack([fault + (math.nan if early else 0.0),
                              torch.full((), float(stop), device=vector.device)])
         collectives.all_reduce(flags)
         vector = torch.cat([flags, vector])
@@ -90,10 +110,11 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
         (flag, stop_sum), values = values[:2], values[2:]
         bad, stop = not math.isfinite(flag), bool(stop_sum)
     else:
-        bad = early or not math.isfinite(sum(values))
-    split = len(probes) + len(norms)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split],
-                   not math.isfinite(sum(values[split:])) if watches_buckets else None)
+        bad = early or not all(map(math.isfinite, values[:len(faults)]))
+    split, end, tail = len(probes) + len(norms), len(faults) - len(buffers), len(values) - len(extras)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[len(faults):tail],
+                   not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
+                   values[end:len(faults)], values[tail:])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -141,3 +162,119 @@ def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Decider:
+    """Runs each step's decision for a guard: read, diagnose and agree when bad, then respond
+    (``respond.py``) and tell the step observer (a replay) and the coordinator."""
+
+    def __init__(self, settings: Settings, detector: Detector, collectives: Collectives, clock: StepClock,
+                 identity: RankInfo, respond: Responder, observer: StepObserver):
+        self.settings = settings
+        self.detector = detector
+        self.collectives = collectives
+        self.clock = clock
+        self.identity = identity
+        self.respond = respond
+        self.observer = observer
+        self._early: diagnose.Finding | None = None
+        """a bad step found by settle_early(), waiting for the next decision"""
+
+    def settle_early(self) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally."""
+        log = self.detector.log
+        if log.values and self._early is None:
+            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
+                                evidence=log.evidence)
+            if reading.bad:
+                self._early = diagnose.first_bad(self.detector.catalog, log, reading, self._event)
+        self.detector.reset()
+        if self._early is not None and not self.clock.optimizer_seen:
+            self._respond_to(self._take_early(), None, together=False)
+
+    def _take_early(self) -> diagnose.Finding:
+        finding, self._early = self._early, None
+        return finding
+
+    def decide(self, optimizer: torch.optim.Optimizer | None, collective: bool,
+                gradients_too: bool = True) -> None:
+        collectives = self.collectives if collective and self.collectives.active else None
+        detector = self.detector
+        owners, grads, norms = self._gradients(optimizer) if gradients_too else ([], [], [])
+        written = detector.buffers.written()
+        reading = read_step(detector.log.values, norms,
+                            detector.bucket_probes if gradients_too else [], collectives,
+                            early=self._early is not None, stop=self.respond.reporter.stop_requested,
+                            watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
+                            buffers=detector.buffers.norms(written), extras=self.respond.extras())
+        if reading is None:  # nothing checked, nobody to agree with
+            detector.reset()
+            self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],
+                                    optimizer=optimizer, clean=self._early is None)
+            if self._early is not None:
+                self._respond_to(self._take_early(), optimizer, together=False)
+            self._clean(stop=self.respond.reporter.stop_requested)
+            return
+        loss_at = detector.log.loss_at
+        loss = reading.probes[loss_at] if loss_at is not None else None
+        if reading.bad:
+            local = self._take_early() if self._early is not None else diagnose.first_bad(
+                detector.catalog, detector.log, reading, self._event, owners, grads, written)
+            first = agree(collectives, local)
+            if first is not None:
+                if local is not None and first.event.rank != local.event.rank:
+                    # what this rank saw, beside the job's first event
+                    self.respond.note(local, self.settings.on_nan)
+                # in the flight recorder before a capture writes it
+                self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
+                                        owners=owners, optimizer=optimizer, clean=False)
+                try:
+                    self._respond_to(first, optimizer, together=collectives is not None)
+                finally:
+                    detector.reset()  # the step's batches were held for the capture until here
+                # on_nan warn or skip: training goes on, so the step counts as one like any other
+                self._report_step(reading.stop)
+                return
+        detector.reset()
+        if reading.norms:
+            self.respond.watch_norms(reading.norms, owners, self._event)
+        self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
+                                owners=owners, optimizer=optimizer, clean=True)
+        self._clean(reading.stop)
+
+    def _gradients(self, optimizer: torch.optim.Optimizer | None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+        """(parameters, their gradients now, norms of their gradients as the backward pass left them,
+        or as they are now where it was not watched)."""
+        if optimizer is None:
+            return [], [], []
+        produced = self.detector.log.produced
+        if produced is None:
+            owners, grads = gradients(params(optimizer))
+            return owners, grads, grad_norms(grads)
+        owners, norms = produced
+        return owners, [None if p.grad is None else forensics.plain(p.grad) for p in owners], norms
+
+    def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
+                    together: bool) -> None:
+        self.respond.note(finding, self.settings.on_nan)
+        self.observer.decided(finding.event)  # a replay ends here
+        self.respond.act(finding.event, optimizer, together)
+
+    def _clean(self, stop: bool) -> None:
+        """After a step found clean: a replay ends here, then the step is reported."""
+        self.observer.decided(None)
+        self._report_step(stop)
+
+    def _report_step(self, stop: bool) -> None:
+        """The coordinator hears of the step, and a stop requested here or on any rank is raised
+        (every rank takes this decision at the same step: ``stop`` was all-reduced)."""
+        self.respond.reporter.heartbeat(self.clock.index, self.respond.last_step_time, self.respond.last_grad_norm)
+        if stop:
+            self.respond.stop(self.clock.index)
+
+    def _event(self, fields: dict[str, Any]) -> Event:
+        return Event(rank=self.collectives.rank, step=self.clock.index, host=self.identity.host,
+                     time=time.time(), **fields)
+
+

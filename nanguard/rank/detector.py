@@ -1,18 +1,25 @@
 """Hooks and device flags: find non-finite values without syncing the host. No I/O.
 
-Every checked tensor leaves one *probe*: a 0-d device tensor (its float32 sum, exact for
-NaN and Inf: NaN + x = NaN, Inf + -Inf = NaN) appended to the step's log with a record of what
-it looked at. Nothing is read on the hot path: the decision stacks the step's probes (and the
-gradient norms) into one small vector and reads it once per optimizer step; only when a value
-in it is non-finite does the diagnosis look at the records one by one.
+Every checked tensor leaves one *probe*: its minimum and maximum, two 0-d device tensors from one
+reduction (``torch.aminmax``), appended to the step's log with a record of what it looked at.
+The probe is exact: a NaN makes both NaN, +Inf the maximum, -Inf the minimum, and a finite
+tensor's extremes are finite (a float32 sum, by contrast, overflows on huge finite values).
+Nothing is read on the hot path: the decision stacks the step's probes (and the gradient norms)
+into one small vector and reads it once per optimizer step; only when a value in it is
+non-finite does the diagnosis look at the records one by one.
 
 What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
   that is just a child's output is recognised and not checked again);
 - the inputs of a module, unless they are outputs already probed and not modified in place
-  since (so a value born in code *between* modules is told apart from one born inside);
-- the root module's inputs (the batch), tensors given to ``Guard.check``, and each DDP gradient
-  bucket before its all-reduce.
+  since (so a value born in code *between* modules is told apart from one born inside). These are
+  evidence, not faults: models pass -inf on purpose (additive attention masks), so a non-finite
+  input never stops a step by itself; it tells where a value that did reach an output came from;
+- the root module's inputs (the batch, evidence too, checked only once a step is bad), tensors
+  given to ``Guard.check``, and each DDP gradient bucket before its all-reduce;
+- the parameters' gradients as the backward pass leaves them (``StepLog.produced``), before the
+  training loop clips, unscales or otherwise rewrites them, so that what it does to them cannot
+  move the blame.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tree import floating_tensors
+from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
+from .backward import BackwardWatch, probe
+from .buffers import Buffers
 from .modules import plain_names, type_name
 from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 
@@ -39,21 +48,6 @@ _FINITE_PRESERVING = (
     nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
-
-
-def probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d tensor that is non-finite when ``tensor`` has a NaN or an Inf (no host sync).
-
-    Half-precision tensors are summed in float32. A float32 sum can also overflow on huge
-    finite values (|sum| > 3.4e38): the diagnosis confirms such a case exactly when it can.
-    """
-    return _sum(forensics.plain(tensor))
-
-
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        return tensor.sum(dtype=torch.float32)
-    return tensor.sum()
 
 
 def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
@@ -77,14 +71,15 @@ class Detector:
         self.keep_batches = keep_batches
         self.catalog = Catalog()
         self.log = StepLog()
-        self.watches_buckets = False
         self._detail_bytes = detail_bytes
         self._kept_bytes = 0
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-        self._zeros: dict[torch.device, torch.Tensor] = {}
-        self._seen: dict[int, tuple[weakref.ref, int]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
+        """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
+        self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
+        self.buffers = Buffers()
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -114,10 +109,11 @@ class Detector:
             # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
             # several microseconds more per call. A value passed by keyword is still caught at the
             # output it poisons.
-            self._handles.append(module.register_forward_hook(self._make_hook(slot, mode, leaf)))
+            hook = self._make_hook(slot, mode, leaf, named=module is root)
+            self._handles.append(module.register_forward_hook(hook))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
-                self._watch_buckets(module)
+                self.backward.watch_ddp(module)
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))
@@ -127,39 +123,16 @@ class Detector:
     def _register(self, module: nn.Module, qualified: str) -> int:
         catalog = self.catalog
         slot = len(catalog.slots)
-        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module)))
+        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module),
+                                  container=next(module.children(), None) is not None))
         self._modules[module] = slot
+        self.buffers.attach(module, qualified)
         for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in catalog.param_names:
+                self.backward.add_parameter(param)
             catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
             catalog.param_owner.setdefault(id(param), slot)
         return slot
-
-    def _watch_buckets(self, ddp: nn.Module) -> None:
-        """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
-        NaN born in its own backward from one the all-reduce brought in from another rank.
-
-        DDP takes one communication hook: ours does the default all-reduce, and a hook the
-        user registers later is called by ours instead (it replaces the default).
-        """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
-        buckets = self.log.buckets
-
-        def bucket_hook(state, bucket):
-            if self._handles:  # still attached
-                buckets.append(probe(bucket.buffer()))
-            return route["hook"](route["state"], bucket)
-
-        def register_comm_hook(state, hook):
-            route["state"], route["hook"] = state, hook
-
-        try:
-            ddp.register_comm_hook(None, bucket_hook)
-        except RuntimeError:
-            return  # the user registered a hook first: no per-rank origin for backward NaNs
-        ddp.register_comm_hook = register_comm_hook
-        self.watches_buckets = True
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -176,10 +149,13 @@ class Detector:
         return CHECK_MODE
 
     # ------------------------------------------------------------------ hot path
-    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False) -> None:
+    def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False,
+             field: str | None = None) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         local = forensics.plain(tensor)
+        if not local.numel():
+            return  # nothing in it can be non-finite
         kept: Any = None
         if self._kept_bytes < self._detail_bytes:
             # Keep the step's first tensors (up to a byte budget) so a bad one can be described
@@ -190,17 +166,16 @@ class Detector:
                 kept = local
         ref = weakref.ref(tensor)
         if kept is None:
-            kept, lazy = ref, False
+            kept = ref  # beyond the budget: described only while the tensor is still alive
         log = self.log
-        log.values.append(self._zero(local.device) if lazy else _sum(local))
-        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy))
-        self._seen[id(tensor)] = (ref, tensor._version)
-
-    def _zero(self, device: torch.device) -> torch.Tensor:
-        zero = self._zeros.get(device)
-        if zero is None:
-            zero = self._zeros[device] = torch.zeros((), device=device)
-        return zero
+        pos = -1
+        if not lazy:
+            values = log.evidence if role == IN else log.values
+            pos = len(values)
+            values.extend(torch.aminmax(local))
+        log.records.append(Probe(role, slot, kept, tensor._version, tensor.shape, tensor.dtype, lazy,
+                                 field=field, pos=pos))
+        self._seen[id(tensor)] = (ref, tensor._version, len(log.records) - 1)
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
@@ -214,9 +189,9 @@ class Detector:
 
     def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version)
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, None)
 
-    def _make_hook(self, slot: int, mode: int, leaf: bool):
+    def _make_hook(self, slot: int, mode: int, leaf: bool, named: bool = False):
         is_compiling = torch.compiler.is_compiling
         add, unchecked = self._add, self._unchecked
         log = self.log
@@ -228,9 +203,12 @@ class Detector:
                 # and only leaves: without identity tracking a container would re-check.
                 if mode == CHECK_MODE and leaf:
                     for tensor in floating_tensors(output):
-                        log.values.append(probe(tensor))
-                        log.records.append(compiled)
+                        if tensor.numel():
+                            log.values.extend(probe(tensor))
+                            log.records.append(compiled)
                 return None
+            # a root's output is named field by field (a model's loss is told from its logits)
+            fields = dict((id(t), path or None) for path, t in named_floating_tensors(output)) if named else {}
             outputs = floating_tensors(output)
             if mode == SKIP_MODE:
                 self._mark_seen(outputs)
@@ -241,7 +219,7 @@ class Detector:
                 self._mark_seen(outputs)
             else:
                 for tensor in unchecked(outputs):
-                    add(tensor, OUT, slot)
+                    add(tensor, OUT, slot, field=fields.get(id(tensor)))
             return None
 
         return hook
@@ -259,8 +237,10 @@ class Detector:
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
         log = self.log
-        if not log.spans and self.on_step_start is not None:
-            self.on_step_start()
+        if not log.spans:
+            self.buffers.step_started()
+            if self.on_step_start is not None:
+                self.on_step_start()
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
@@ -270,29 +250,46 @@ class Detector:
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):
-        if self.on_root_end is not None and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return None
+        self.backward.forward_done(output)
+        if self.on_root_end is not None:
             self.on_root_end()
         return None
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
-        if tensor.is_floating_point() or tensor.is_complex():
+        if not (tensor.is_floating_point() or tensor.is_complex()) or not tensor.numel():
+            return
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2] is not None:
+            record = self.log.records[seen[2]]
+            record.check = index  # a loss the model returned: named, not probed again
+        else:
             self._add(tensor, CHECK, index)
+            record = self.log.records[-1]
+        if name == "loss" and record.pos >= 0 and tensor.numel() == 1:
+            self.log.loss_at = record.pos
 
     # ------------------------------------------------------------------ the step
     @property
     def pending(self) -> int:
         """Probes made since the last decision."""
-        return len(self.log.values)
+        return len(self.log.records)
 
     @property
     def bucket_probes(self) -> list[torch.Tensor]:
         """Probes of this step's local gradients before DDP's all-reduce (read with the rest)."""
         return self.log.buckets
 
+    @property
+    def watches_buckets(self) -> bool:
+        return self.backward.watches_buckets
+
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
         self.log.clear()
+        self.buffers.forget()
         self._seen.clear()
         self._kept_bytes = 0
         self._forwards.clear()

@@ -10,13 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..events import Event
 from . import forensics
-from .records import BATCH, CHECK, IN, OUT, Catalog, StepLog
+from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, StepLog
+
+if TYPE_CHECKING:
+    from .decision import Reading
 
 MakeEvent = Callable[[dict[str, Any]], Event]
 """builds an Event from its fields, adding rank, step, host and time"""
@@ -36,22 +39,23 @@ class Finding:
     """False when the value came from another rank through DDP's all-reduce: that rank's event"""
 
 
-def first_bad(catalog: Catalog, log: StepLog, values: list[float], make: MakeEvent,
+def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
               owners: list[torch.Tensor] = (), grads: list[torch.Tensor] = (),
-              local_grads_bad: bool | None = None) -> Finding | None:
-    """The step's first non-finite value: a forward probe, else a parameter gradient.
-
-    ``values``: the probes as read, in order; ``owners``/``grads``: the parameters that have a
-    gradient and those gradients; ``local_grads_bad``: whether this rank's own gradient buckets
-    were bad before DDP's all-reduce (None when they were not watched). None when nothing is
-    bad (a float32 sum or a norm that overflowed on finite values).
-    """
-    fields = forward_fields(catalog, log, values)
+              written: list[tuple[str, torch.Tensor]] = ()) -> Finding | None:
+    """The step's first non-finite value: a module output or a checked tensor, else a buffer the
+    forward wrote, else a parameter gradient. ``reading``: what the decision read;
+    ``owners``/``grads``: the parameters that have a gradient and those gradients; ``written``:
+    the buffers the step wrote, by name. None when nothing is bad (a norm that overflowed on finite
+    values)."""
+    fields = forward_fields(catalog, log, log.extremes(reading.probes, reading.evidence))
+    if fields is None:
+        fields = buffer_fields(catalog, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
-    fields = gradient_fields(catalog, log, owners, grads)
+    fields = gradient_fields(catalog, log, owners, grads, reading.norms)
     if fields is None:
         return None
+    local_grads_bad = reading.local_grads_bad
     if local_grads_bad is None:
         return Finding(make(fields))
     fields["extra"]["born_here"] = local_grads_bad
@@ -60,68 +64,103 @@ def first_bad(catalog: Catalog, log: StepLog, values: list[float], make: MakeEve
     return Finding(make(fields), born_here=local_grads_bad)
 
 
-def forward_fields(catalog: Catalog, log: StepLog, values: list[float]) -> dict[str, Any] | None:
-    """Event fields of the first non-finite forward probe, confirmed exactly where it can be."""
-    for index, value in enumerate(values):
-        record = log.records[index]
-        if math.isfinite(value) and not record.lazy:
+def forward_fields(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None]
+                   ) -> dict[str, Any] | None:
+    """Event fields of the first module output or checked tensor that is non-finite. The probes
+    are exact (a tensor's minimum and maximum), so what they say needs no confirmation; the tensor,
+    where it was kept, only adds the detail."""
+    for index, (record, pair) in enumerate(zip(log.records, extremes)):
+        if record.role not in (OUT, CHECK) or _finite(pair):
             continue
         tensor = record.tensor()
-        if tensor is not None:
-            stats = forensics.describe(tensor)
-            if not stats["bad_count"]:
-                continue  # lazy and finite, or a float32 sum that overflowed on finite values
-        elif record.lazy:
-            continue  # changed in place since it was kept: nothing to tell
-        else:
-            stats = {"has_nan": math.isnan(value), "has_inf": not math.isnan(value)}
-            if record.shape is not None:
-                stats |= {"shape": tuple(record.shape), "numel": math.prod(record.shape),
-                          "dtype": str(record.dtype).removeprefix("torch.")}
-        return _explain(catalog, log, index, stats, values)
+        stats = forensics.describe(tensor) if tensor is not None else _from_extremes(record, pair)
+        return _explain(catalog, log, extremes, index, stats)
     return None
 
 
-def _explain(catalog: Catalog, log: StepLog, index: int, stats: dict[str, Any],
-             values: list[float]) -> dict[str, Any]:
+def _finite(pair: tuple[float, float] | None) -> bool:
+    return pair is None or (math.isfinite(pair[0]) and math.isfinite(pair[1]))
+
+
+def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
+    """What a probe alone says of a tensor that is gone: NaN (both extremes are NaN then) or Inf."""
+    has_nan = math.isnan(pair[0])
+    stats: dict[str, Any] = {"has_nan": has_nan, "has_inf": not has_nan and not (
+        math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": _UNEXACT}
+    if record.shape is not None:
+        stats |= {"shape": tuple(record.shape), "numel": math.prod(record.shape),
+                  "dtype": str(record.dtype).removeprefix("torch.")}
+    return stats
+
+
+def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int,
+             stats: dict[str, Any]) -> dict[str, Any]:
     record = log.records[index]
     fields: dict[str, Any] = {"micro_batch": log.micro_batch_of(index), **stats}
-    if "bad_count" not in stats:
-        fields["message"] = _UNEXACT
-    if record.role == CHECK:
-        name = catalog.check_name(record.slot)
-        return fields | {"kind": "loss" if name == "loss" else "check", "layer": name,
-                         "micro_batch": None}
+    if record.role == CHECK or record.check is not None:
+        name = catalog.check_name(record.slot if record.role == CHECK else record.check)
+        fields |= {"kind": "loss" if name == "loss" else "check", "layer": name}
+        if record.role == CHECK:
+            return fields | {"micro_batch": None}
+        owner = catalog.slots[record.slot]
+        where = f"{record.field!r} of the output of {owner.name or 'the model'} ({owner.module_type})"
+        return fields | {"output_field": record.field, "message": _join(
+            f"the tensor checked as {name!r} is {where}: the model computed it", fields.get("message"))}
     info = catalog.slots[record.slot]
-    fields |= {"layer": info.name, "module_type": info.module_type}
-    if record.role == OUT:
-        return fields | _explain_output(record.compiled, info.module(), fields.get("message"))
-    later_out = [i for i in range(index + 1, len(values)) if log.records[i].role == OUT]
-    bad_out = next((i for i in later_out if not math.isfinite(values[i])), None)
-    if record.role == IN:
-        before = [catalog.slots[r.slot].name for r in log.records[:index] if r.role == OUT]
-        parent = _common_parent(info.name, before[-1] if before else "")
-        where = f"the forward code of {parent or 'the root module'}"
-        same_call_bad = bad_out is not None and log.records[bad_out].slot == record.slot
-        return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": same_call_bad,
-                         "message": _join("its input was already non-finite: the value was born"
-                                          f" outside any module, in {where} (before this module"
-                                          " ran)", fields.get("message"))}
-    assert record.role == BATCH
-    # the root's own inputs; name the first module the bad batch reached
-    if bad_out is not None:
-        first = catalog.slots[log.records[bad_out].slot]
-        fields |= {"layer": first.name, "module_type": first.module_type}
-    return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": bad_out is not None,
-                     "message": _join(f"the input batch of {info.name or 'the model'} was already"
-                                      " non-finite", fields.get("message"))}
-
-
-def _explain_output(compiled: bool, module: torch.nn.Module | None, message: str | None) -> dict[str, Any]:
-    if compiled:
-        return {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(
+    fields |= {"layer": info.name, "module_type": info.module_type, "output_field": record.field}
+    if record.compiled:
+        return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(
             "first non-finite module output seen in a compiled graph, where inputs and containers are"
-            " not checked: it may have been born just before this module", message)}
+            " not checked: it may have been born just before this module", fields.get("message"))}
+    source = _bad_input(catalog, log, extremes, index)
+    if source is None:
+        return fields | _explain_output(info.module(), fields.get("message"))
+    nan_in, tensor, where = source
+    if nan_in:  # the value was passed on: describe it where it entered, which is more precise
+        described = forensics.describe(tensor) if tensor is not None else {}
+        if described.get("bad_count"):
+            fields = {key: value for key, value in fields.items() if key != "message"} | described
+        return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
+                         "message": _join(where, fields.get("message"))}
+    note = (f"{where}, with infinities but no NaN (an additive attention mask, say): the non-finite"
+            " output was made here, from those infinities")
+    return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
+                     "message": _join(note, fields.get("message"))}
+
+
+def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None],
+               index: int) -> tuple[bool, torch.Tensor | None, str] | None:
+    """(held NaN, the tensor if still there, where it came from) for a non-finite input of the call
+    that made output ``index``; None when its inputs were finite.
+
+    Its inputs are the IN probes of that call (values made between modules) or the batch of its
+    root's forward, checked exactly now; the outputs of other modules it took were checked finite
+    already (they come earlier)."""
+    slot, j = log.records[index].slot, index - 1
+    while j >= 0 and log.records[j].slot == slot and log.records[j].role in (IN, OUT):
+        pair = extremes[j]
+        if log.records[j].role == IN and not _finite(pair):
+            before = [catalog.slots[r.slot].name for r in log.records[:j] if r.role == OUT]
+            parent = _common_parent(catalog.slots[slot].name, before[-1] if before else "")
+            return (math.isnan(pair[0]), log.records[j].tensor(),
+                    "its input was already non-finite: the value was born outside any module, in the"
+                    f" forward code of {parent or 'the root module'} (before this module ran)")
+        j -= 1
+    start, root = next(((s[0], s[1]) for s in reversed(log.spans) if s[0] <= index), (0, None))
+    found = None
+    for k in range(start, index):
+        tensor = log.records[k].tensor() if log.records[k].role == BATCH else None
+        if tensor is not None and not forensics.is_finite(tensor):
+            nan = bool(torch.isnan(forensics.plain(tensor)).any())
+            if found is None or (nan and not found[0]):
+                found = (nan, tensor)
+    if found is None:
+        return None
+    name = catalog.slots[root].name if root is not None else ""
+    return (*found, f"the input batch of {name or 'the model'} was already non-finite")
+
+
+def _explain_output(module: torch.nn.Module | None, message: str | None) -> dict[str, Any]:
     note = "inputs were finite: the value was born in this module"
     # all of its parameters: nn.MultiheadAttention uses out_proj's weight without calling it
     bad_params = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
@@ -131,13 +170,36 @@ def _explain_output(compiled: bool, module: torch.nn.Module | None, message: str
             "message": _join(note, message)}
 
 
+def buffer_fields(catalog: Catalog, written: list[tuple[str, torch.Tensor]],
+                  norms: list[float]) -> dict[str, Any] | None:
+    """Event fields of the first buffer the step's forward wrote non-finite (its outputs were
+    finite: BatchNorm's running statistics can overflow while its normalised output does not)."""
+    bad = next(((name, b) for (name, b), n in zip(written, norms)
+                if not math.isfinite(n) and not forensics.is_finite(b)), None)
+    if bad is None:
+        return None
+    name, buffer = bad
+    owner = next((s for s in catalog.slots if s.name == name.rpartition(".")[0]), None)
+    return {"kind": "buffer", "layer": name, "module_type": owner.module_type if owner else "",
+            **forensics.describe(buffer),
+            "message": "written by this step's forward, whose outputs were finite; the buffer is put"
+                       " back as it was before the step when the step is stopped or skipped"}
+
+
 def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
-                    grads: list[torch.Tensor]) -> dict[str, Any] | None:
-    """Event fields of the first non-finite parameter gradient in backward order, or None."""
-    bad = [(p, g) for p, g in zip(owners, grads) if not forensics.is_finite(g)]
+                    grads: list[torch.Tensor | None], norms: list[float]) -> dict[str, Any] | None:
+    """Event fields of the first non-finite parameter gradient in backward order, or None.
+
+    ``norms`` are the gradients' norms as the backward pass left them (the training loop may have
+    clipped or unscaled them since: a clipped NaN spreads to every gradient). A NaN norm means a
+    NaN gradient; an infinite one, an Inf or an overflow of huge finite values, which only the
+    gradient itself can tell apart.
+    """
+    bad = [(p, g) for p, g, n in zip(owners, grads, norms) if math.isnan(n) or (
+        not math.isfinite(n) and (g is None or not forensics.is_finite(g)))]
     if not bad:
-        return None  # a norm that overflowed on finite gradients
-    order = {slot: i for i, slot in enumerate(log.backward_order())}
+        return None  # norms that overflowed on finite gradients
+    order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
     owner_of = catalog.param_owner
     bad.sort(key=lambda pg: order.get(owner_of.get(id(pg[0]), -1), len(order)))
     param, grad = bad[0]
@@ -145,7 +207,8 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
     names = [catalog.param_name(p) for p, _ in bad]
     fields = {"kind": "grad", "layer": names[0],
               "module_type": catalog.slots[slot].module_type if slot is not None else "",
-              **forensics.describe(grad), "extra": {"bad_params": names[:16]}}
+              **(forensics.describe(grad) if grad is not None else {"has_nan": True}),
+              "extra": {"bad_params": names[:16]}}
     counted = f"{len(bad)} of {len(grads)} parameter gradients are non-finite"
     last = next(iter(order), None)  # the last module to run: the first in backward order
     if last is not None and slot == last:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,11 +25,12 @@ from ..errors import ConfigError, GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
 from ..replay import Replay, StepObserver
-from . import diagnose
-from .decision import StepClock, agree, grad_norms, gradients, params, read_step
+from . import resume
+from .decision import Decider, StepClock
 from .detector import Detector
+from .modules import unwrap_optimizer
 from .patches import patch_scaler_update, wrap_closure
-from .reporter import CoordinatorReporter, Reporter
+from .reporter import Reporter, connect
 from .respond import Responder, model_to_save, step_inputs
 
 
@@ -48,7 +48,6 @@ class Guard:
         self._undo: list[Callable[[], Any]] = []  # what is not a hook handle
         self._roots: list[weakref.ref] = []
         self._rng: dict[str, Any] | None = None
-        self._early: diagnose.Finding | None = None
         self._identity = RankInfo.from_env()
         self._collectives = collectives or Collectives()
         self._clock = StepClock(optimizer_seen=bool(optimizers))
@@ -62,14 +61,16 @@ class Guard:
                                   keep_batches=settings.capture is not False and settings.capture_batch)
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
-            reporter = (CoordinatorReporter(settings, self._identity, self._collectives)
+            reporter = (connect(settings, self._identity, self._collectives)
                         if wanted and not isinstance(self._observer, Replay) else Reporter())
         self._reporter = reporter
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
                                   lambda: model_to_save(self._roots),
                                   lambda model: step_inputs(self._detector, model, self._rng),
-                                  self._detector.catalog.param_name)
+                                  self._detector.catalog.param_name, self._detector.buffers)
+        self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
+                                self._respond, self._observer)
         if settings.disable:
             return
         self._start(model, optimizers)
@@ -83,6 +84,8 @@ class Guard:
         observer.optimizers(optimizers, self._respond.states)
         if "scaler" in self._respond.states:
             self._undo.append(patch_scaler_update(self._respond.states["scaler"], self._after_scaler_update))
+            # scaled until the scaler unscales them: the gradients are taken at the optimizer step
+            self._detector.backward.snapshot_gradients = False
         if model is not None:
             self._attach(model)
         else:
@@ -141,6 +144,24 @@ class Guard:
         if not self.settings.disable:
             self._detector.check(tensor, name)
 
+    def begin_micro_batch(self, batch: Any) -> None:
+        """A micro-batch begins with ``batch``, which the model's own forward does not take (a
+        Lightning ``training_step`` calls submodules): it is captured with the step, and a replay
+        puts the captured batch into it, in place."""
+        root = model_to_save(self._roots)
+        if self._closed or self.settings.disable or root is None:
+            return
+        self._observer.batch_given(root, batch)
+        self._detector.root_pre(self._detector.slot_of(root), (batch,), {})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count, skipped steps and the gradient-norm monitor's level, for a checkpoint."""
+        return resume.state_dict(self._clock, self._respond)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's ``state_dict()`` (or a trainer's {"step": global_step})."""
+        resume.load_state_dict(state, self._clock, self._respond)
+
     def close(self) -> None:
         """Remove every hook this guard installed. Idempotent."""
         if self._closed:
@@ -196,9 +217,9 @@ class Guard:
 
     def _on_root_end(self) -> None:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
-            self._decide(None, collective=False)  # eval/inference: nothing steps, so decide now
+            self._decider.decide(None, collective=False)  # eval/inference: nothing steps, so decide now
         elif self._detector.pending >= self.settings.max_pending:
-            self._settle_early()
+            self._decider.settle_early()
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:
@@ -213,7 +234,7 @@ class Guard:
         self._observer.optimizers([optimizer], {})
         counted = self._clock.begin(optimizer, count, self._detector.pending)
         try:
-            self._decide(optimizer, collective=True)
+            self._decider.decide(optimizer, collective=True)
         finally:
             self._clock.end(counted)
 
@@ -222,76 +243,7 @@ class Guard:
         stepped, self._clock.stepped = self._clock.stepped, False
         if not stepped and not self._closed and self._detector.pending:
             primary = self._clock.primary() if self._clock.primary is not None else None
-            self._decide(primary, collective=True, gradients_too=False)
-
-    def _settle_early(self) -> None:
-        """Too many probes without a step (a long eval loop): read them now, locally."""
-        log = self._detector.log
-        if log.values and self._early is None:
-            reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False)
-            if reading.bad:
-                self._early = diagnose.first_bad(self._detector.catalog, log, reading.probes, self._event)
-        self._detector.reset()
-        if self._early is not None and not self._clock.optimizer_seen:
-            self._respond_to(self._take_early(), None, together=False)
-
-    def _take_early(self) -> diagnose.Finding:
-        finding, self._early = self._early, None
-        return finding
-
-    def _decide(self, optimizer: torch.optim.Optimizer | None, collective: bool,
-                gradients_too: bool = True) -> None:
-        collectives = self._collectives if collective and self._collectives.active else None
-        detector = self._detector
-        owners, grads = (gradients(params(optimizer)) if optimizer is not None and gradients_too
-                         else ([], []))
-        reading = read_step(detector.log.values, grad_norms(grads),
-                            detector.bucket_probes if gradients_too else [], collectives,
-                            early=self._early is not None, stop=self._reporter.stop_requested,
-                            watches_buckets=detector.watches_buckets)
-        if reading is None:  # nothing checked, nobody to agree with
-            detector.reset()
-            if self._early is not None:
-                self._respond_to(self._take_early(), optimizer, together=False)
-            self._clean(stop=self._reporter.stop_requested)
-            return
-        if reading.bad:
-            local = self._take_early() if self._early is not None else diagnose.first_bad(
-                detector.catalog, detector.log, reading.probes, self._event, owners, grads,
-                reading.local_grads_bad)
-            first = agree(collectives, local)
-            if first is not None:
-                if local is not None and first.event.rank != local.event.rank:
-                    # what this rank saw, beside the job's first event
-                    self._respond.note(local, self.settings.on_nan)
-                try:
-                    self._respond_to(first, optimizer, together=collectives is not None)
-                finally:
-                    detector.reset()  # the step's batches were held for the capture until here
-                return
-        detector.reset()
-        self._clean(reading.stop)
-        if reading.norms:
-            self._respond.watch_norms(reading.norms, owners, self._event)
-
-    def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,
-                    together: bool) -> None:
-        self._respond.note(finding, self.settings.on_nan)
-        self._observer.decided(finding.event)  # a replay ends here
-        self._respond.act(finding.event, optimizer, together)
-
-    def _clean(self, stop: bool) -> None:
-        """After a step found clean: a replay ends here, the coordinator hears of the step, and
-        a requested stop is raised."""
-        self._observer.decided(None)
-        self._reporter.heartbeat(self._clock.index, self._respond.last_grad_norm)
-        if stop:
-            self._respond.stop(self._clock.index)
-
-    def _event(self, fields: dict[str, Any]) -> Event:
-        return Event(rank=self._collectives.rank, step=self._clock.index, host=self._identity.host,
-                     time=time.time(), **fields)
-
+            self._decider.decide(primary, collective=True, gradients_too=False)
 
 class GuardRegistry:
     """Which guard owns which module, and the process-wide guard of a bare ``init()``: hooks are
@@ -397,6 +349,7 @@ def _checked_arguments(model: Any, optimizer: Any, on_stop: Any) -> list[torch.o
     else:
         raise TypeError(f"nanguard.init: optimizer must be a torch.optim.Optimizer (or a list of"
                         f" them, or None); got {type(optimizer).__name__}")
+    optimizers = [unwrap_optimizer(o) for o in optimizers]
     if on_stop is not None and not callable(on_stop):
         raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
     if model is not None and next(model.parameters(), None) is None:

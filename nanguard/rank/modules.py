@@ -1,7 +1,9 @@
-"""Names of modules as reports show them: wrappers (DDP, torch.compile, ...) left out."""
+"""Names of modules as reports show them, and what wrappers (DDP, torch.compile, accelerate,
+Lightning) hold: the model, the optimizer."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 # Wrappers whose child is the user's model: their attribute name is left out of layer names. The
@@ -54,3 +56,17 @@ def sharding(model: nn.Module | None) -> str | None:
         return ("fsdp2: each rank's state.pt holds its own shards (DTensors); load rank k's file on"
                 " rank k of a job with the same world size and the same fully_shard layout")
     return None
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that steps inside a wrapper (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``), which subclasses Optimizer without its hooks: the guard's
+    step pre-hook goes on the inner one, which steps only when the wrapper really steps."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if "_optimizer_step_pre_hooks" in vars(optimizer):
+            break
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer

@@ -16,7 +16,8 @@ import torch
 
 OUT, IN, BATCH, CHECK = range(4)
 """what a probe looked at: a module's output, a module's input that nothing had checked, the
-batch given to a root module, a tensor given to ``Guard.check``"""
+batch given to a root module, a tensor given to ``Guard.check``. OUT and CHECK probes can stop a
+step; IN and BATCH probes are evidence of where a value came from"""
 MAX_CHECK_NAMES = 1024
 
 
@@ -27,6 +28,8 @@ class Slot:
     name: str
     module_type: str
     module: weakref.ref
+    container: bool = False
+    """has children: its own parameters (a ViT's cls_token) are used where its forward begins"""
 
 
 @dataclass(slots=True)
@@ -46,6 +49,12 @@ class Probe:
     """the batch: its probe is a zero, checked exactly only once the step is known bad"""
     compiled: bool = False
     """made inside a compiled graph, where inputs and containers are not checked"""
+    field: str | None = None
+    """where in a root's output the tensor was ("loss"), when that output is a container"""
+    check: int | None = None
+    """the index of the name ``Guard.check`` later gave this same tensor (a loss the model returned)"""
+    pos: int = -1
+    """where its (minimum, maximum) are in ``StepLog.values`` (OUT and CHECK probes)"""
 
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""
@@ -87,7 +96,10 @@ class StepLog:
     """One step's probes, in the order they were made, until its decision."""
 
     values: list[torch.Tensor] = field(default_factory=list)
-    """0-d device tensors, non-finite when their tensor is (read once, by the decision)"""
+    """(minimum, maximum) of every OUT and CHECK probe, flattened: 0-d device tensors, non-finite
+    when their tensor is (read once, by the decision)"""
+    evidence: list[torch.Tensor] = field(default_factory=list)
+    """the same for IN probes: read with the rest, but never a reason to stop"""
     records: list[Probe] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     """(first probe index, root slot, micro-batch) of every root forward"""
@@ -95,20 +107,48 @@ class StepLog:
     """probes of DDP gradient buckets before their all-reduce"""
     batches: list[tuple[int, tuple, dict]] = field(default_factory=list)
     """(root slot, args, kwargs) of every root forward: references, no copies"""
+    produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """(parameters, the norms of their gradients) as the last backward pass left them"""
+    loss_at: int | None = None
+    """where the tensor checked as "loss" is in ``values``, for the flight recorder"""
 
     def clear(self) -> None:
-        for part in (self.values, self.records, self.spans, self.buckets, self.batches):
+        for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
             part.clear()
+        self.produced = self.loss_at = None
+
+    def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
+        """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""
+        positions = {OUT: 0, IN: 0}  # OUT and CHECK share one list
+        out: list[tuple[float, float] | None] = []
+        for record in self.records:
+            if record.role == BATCH:
+                out.append(None)
+                continue
+            group, values = (IN, evidence) if record.role == IN else (OUT, probes)
+            i = positions[group]
+            positions[group] = i + 2
+            out.append((values[i], values[i + 1]))
+        return out
 
     def micro_batch_of(self, index: int) -> int | None:
         """Which forward of its root (within the step) probe ``index`` was made in."""
         position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
         return self.spans[position][2] if position >= 0 else None
 
-    def backward_order(self) -> list[int]:
-        """Module slots in the order their gradients are produced: reverse of execution order."""
-        order: dict[int, None] = {}
-        for record in self.records:
+    def backward_order(self, slots: list[Slot]) -> list[int]:
+        """Module slots in the order their gradients are produced: the reverse of the order in
+        which they began. A leaf begins at its first probe; a container at the first probe of its
+        subtree, so its own parameters count as used first (a compiled graph probes a root that
+        owns parameters only at its end, which must not put them first in backward order)."""
+        began: dict[int, int] = {}
+        for index, record in enumerate(self.records):
             if record.role in (OUT, IN):
-                order.setdefault(record.slot, None)
-        return list(reversed(order))
+                began.setdefault(record.slot, index)
+        for slot, info in enumerate(slots):
+            if info.container:
+                prefix = f"{info.name}." if info.name else ""
+                inside = [i for s, i in began.items() if s == slot or slots[s].name.startswith(prefix)]
+                if inside:
+                    began[slot] = min(inside)
+        return sorted(began, key=lambda slot: -began[slot])

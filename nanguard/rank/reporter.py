@@ -9,7 +9,7 @@ until the next step's decision reads them.
 from __future__ import annotations
 
 import atexit
-import time
+import logging
 
 import torch
 
@@ -18,6 +18,8 @@ from .._dist import Collectives, RankInfo
 from ..config import Settings
 from ..events import Event
 
+log = logging.getLogger("nanguard")
+
 
 class Reporter:
     """No coordinator: every call does nothing, and no stop is ever requested."""
@@ -25,8 +27,8 @@ class Reporter:
     def note(self, event: Event, action: str) -> None:
         """This rank saw ``event`` and did ``action`` (raise, skip, warn) about it."""
 
-    def heartbeat(self, step: int, grad_norm: float | None) -> None:
-        """A step ended clean: its index and gradient norm (the time since the last one is taken here)."""
+    def heartbeat(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        """A step ended: its index, how long it took and its gradient norm."""
 
     def captured(self, step: int, incident: str) -> None:
         """The job's incident of ``step`` is complete in ``incident`` (said by rank 0)."""
@@ -47,6 +49,17 @@ class Reporter:
         """Send what is queued (bounded time) and stop."""
 
 
+def connect(settings: Settings, identity: RankInfo, group: Collectives) -> Reporter:
+    """A reporter to ``settings.coordinator``; a coordinator link that cannot be made is logged and
+    training goes on guarded locally (nanguard.init never fails because of the coordinator)."""
+    try:
+        return CoordinatorReporter(settings, identity, group)
+    except ValueError as exc:
+        log.error("nanguard: no link to the coordinator at %s (%s); this rank is guarded locally and "
+                  "reports nothing", settings.coordinator, exc)
+        return Reporter()
+
+
 class CoordinatorReporter(Reporter):
     """Reports to ``settings.coordinator`` from a background thread; never fails init."""
 
@@ -54,7 +67,6 @@ class CoordinatorReporter(Reporter):
         from ..client import Client  # pyzmq only where a coordinator is configured
 
         self._stop: tuple[str, str] | None = None
-        self._last_step_at: float | None = None
         hello = {"rank": group.rank, "local_rank": identity.local_rank, "world_size": group.world_size,
                  "host": identity.host, "pid": identity.pid, "job": identity.job,
                  "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
@@ -73,10 +85,8 @@ class CoordinatorReporter(Reporter):
     def note(self, event: Event, action: str) -> None:
         self._client.send_event(event, action)
 
-    def heartbeat(self, step: int, grad_norm: float | None) -> None:
-        now = time.monotonic()
-        last, self._last_step_at = self._last_step_at, now
-        self._client.update(step, now - last if last is not None else None, grad_norm)
+    def heartbeat(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
+        self._client.update(step, step_time_s, grad_norm)
 
     def captured(self, step: int, incident: str) -> None:
         self._client.captured(step, incident)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,13 +14,16 @@ import torch
 from torch import nn
 
 from .._dist import Collectives, RankInfo
-from ..incident import RankPart, capture_incident, rng_snapshot
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
+from ..incident import RankPart, capture_incident, rng_snapshot
+from . import forensics
+from .buffers import Buffers
 from .decision import params
 from .detector import Detector
 from .diagnose import Finding
+from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import sharding, unwrap
 from .reporter import Reporter
@@ -47,7 +51,7 @@ class Responder:
                  events: EventLog, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
                  model_to_save: Callable[[], nn.Module | None],
                  step_inputs: Callable[[nn.Module | None], tuple[list, dict[str, Any]]],
-                 param_name: Callable[[torch.Tensor], str]):
+                 param_name: Callable[[torch.Tensor], str], buffers: Buffers):
         self.settings = settings
         self.identity = identity
         self.group = group
@@ -57,6 +61,7 @@ class Responder:
         self.on_stop = on_stop
         self.model_to_save = model_to_save
         self.step_inputs = step_inputs
+        self.buffers = buffers
         self.param_name = param_name
         self.incident: str | None = None
         self.skipped_steps = 0
@@ -64,6 +69,9 @@ class Responder:
         self.last_param_grad_norms: dict[str, float] = {}
         self.norms = GradNormMonitor(settings.grad_norm_warn, settings.spike_factor,
                                      settings.spike_warmup_steps)
+        self.flight = FlightRecorder(settings.flight_steps) if settings.flight_steps else None
+        self._last_step_at: float | None = None
+        self.last_step_time: float | None = None
 
     def note(self, finding: Finding, action: str) -> None:
         """Keep an event; send it to the coordinator when this rank is the one that saw it (values
@@ -81,6 +89,8 @@ class Responder:
         message = f"{event}; {_action(policy, world, optimizer is not None)}"
         if event.rank == group.rank:
             log.error("nanguard: %s", message)
+        if policy != "warn":
+            self.buffers.restore()  # the step does not happen: what its forward wrote goes back
         wanted = policy == "raise" and self.settings.capture is not False or (
             policy == "skip" and self.settings.capture)
         if wanted and (together or not group.active):
@@ -100,6 +110,7 @@ class Responder:
         """A stop was requested (here, or on another rank): raise it, before the update."""
         taken = self.reporter.take_stop()
         reason, origin = taken or ("requested by the coordinator through another rank", "policy")
+        self.buffers.restore()
         error = StopRequested(f"stop requested ({reason}) at step {step}; stopping all ranks before the"
                               " optimizer step", step=step, reason=reason)
         self.reporter.stopped(step, origin)
@@ -107,8 +118,28 @@ class Responder:
             self.on_stop(error)
         raise error
 
+    def extras(self) -> list[torch.Tensor]:
+        """Device values read with the step for the flight recorder: the GradScaler's scale."""
+        scale = getattr(self.states.get("scaler"), "_scale", None)
+        return [scale.reshape(())] if self.flight is not None and isinstance(scale, torch.Tensor) else []
+
+    def step_ended(self, step: int, *, loss: float | None, extras: list[float], norms: list[float],
+                   owners: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                   clean: bool) -> None:
+        """Every decided step: its time and its row of the flight recorder."""
+        now = time.monotonic()
+        last, self._last_step_at = self._last_step_at, now
+        step_time = self.last_step_time = now - last if last is not None else None
+        grad_norm = self.last_grad_norm if clean and norms else None
+        if self.flight is not None:
+            lr = optimizer.param_groups[0].get("lr") if optimizer is not None and optimizer.param_groups else None
+            self.flight.record(step, loss=loss, grad_norm=grad_norm, scale=extras[0] if extras else None,
+                               lr=float(lr) if isinstance(lr, (int, float)) else None, step_time_s=step_time,
+                               norms=norms, params=owners, name=self.param_name)
+
     def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
+        norms = [n if math.isfinite(n) else _exact_norm(p, n) for n, p in zip(norms, owners)]
         norm = math.hypot(*norms)
         self.last_grad_norm = norm
         if self.settings.param_grad_norms:
@@ -135,16 +166,26 @@ class Responder:
                             optimizer_state=optimizer.state_dict() if optimizer is not None else None,
                             extra_states={name: obj.state_dict() for name, obj in self.states.items()},
                             batches=batches if self.settings.capture_batch else None, rng=rng,
-                            events=self.events.snapshot(), settings=settings_record(self.settings))
+                            events=self.events.snapshot(), settings=settings_record(self.settings),
+                            flight=self.flight.to_dict() if self.flight is not None else None)
 
         self.incident = capture_incident(self.group, self.settings.dir, event, collect,
-                                         job_id=self.identity.run_id, capture_batch=self.settings.capture_batch,
+                                         job_id=self.identity.incidents_as, capture_batch=self.settings.capture_batch,
                                          sharded=sharding(model))
         if self.incident is not None and event.rank == self.group.rank:
             log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",
                       event.step, self.incident, self.incident)
         if self.incident is not None and self.group.rank == 0:
             self.reporter.captured(event.step, self.incident)
+
+
+def _exact_norm(param: torch.Tensor, norm: float) -> float:
+    """The norm of a finite gradient that overflowed its fused float computation (values past
+    ~1e19), again in float64: rare, and exactly when a grad_norm warning must not vanish."""
+    grad = param.grad
+    if grad is None or not forensics.is_finite(grad):
+        return norm
+    return float(torch.linalg.vector_norm(forensics.plain(grad).double()))
 
 
 def model_to_save(roots: list) -> nn.Module | None:

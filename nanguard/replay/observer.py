@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import incident as capture
 from .._dist import Collectives
-from .._tree import floating_tensors
+from .._tree import floating_tensors, tensors
 from ..config import Settings
 from ..errors import NanguardError, ReplayFinished
 from ..events import Event
@@ -80,6 +80,9 @@ class StepObserver:
     def decided(self, event: Event | None) -> None:
         """A step was decided: its job's first event, or None when it was clean."""
 
+    def batch_given(self, root: nn.Module, batch: Any) -> None:
+        """A micro-batch of ``root`` begins with ``batch`` (``Guard.begin_micro_batch``)."""
+
 
 class Replay(StepObserver):
     """One rank's replay of an incident: ``layout.part`` is the incident's rank it replays."""
@@ -94,7 +97,7 @@ class Replay(StepObserver):
         self.device = devices.parse(settings.replay_device)
         self.state = incident.rank_state(self.rank)
         self.notes: list[str] = [part.note] if part.note else []
-        self.batches = incident.rank_batches(self.rank)
+        self.batches = incident.rank_batches(self.rank, self.notes)
         self.rng = incident.rank_rng(self.rank)
         self._forwards = 0
         self.ops = OpWatch(lambda: self._forwards - 1) if settings.replay_ops else None
@@ -276,6 +279,23 @@ class Replay(StepObserver):
             log.error("nanguard: replay report not saved: %s", exc)
         print(render(report, path), flush=True)
         return report, path
+
+
+    def batch_given(self, root: nn.Module, batch: Any) -> None:
+        """Fill the batch a trainer hands over with the captured micro-batch, in place (a trainer
+        passes its own object on; only its contents can be replaced)."""
+        new = self._feed(root, (batch,), {})
+        if new is None:
+            return
+        given, captured = tensors(batch), tensors(new[0][0] if new[0] else None)
+        if [t.shape for t in given] != [t.shape for t in captured]:
+            raise NanguardError("NANGUARD_REPLAY: the batch the trainer gave has other tensors or shapes"
+                                f" ({[list(t.shape) for t in given]}) than the captured one"
+                                f" ({[list(t.shape) for t in captured]}); nothing was fed. Replay with the"
+                                " same data loader settings (batch size) as the run that made the incident")
+        with torch.no_grad():
+            for target, source in zip(given, captured):
+                target.copy_(source)
 
 
 def _skipped_names(root: nn.Module, settings: Settings) -> set[str]:

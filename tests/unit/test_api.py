@@ -234,3 +234,18 @@ def test_cli_inspect_reads_a_captured_incident(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 0 and report["first_event"]["layer"] == "2"
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_run_id_too_long_for_the_wire_never_fails_init(monkeypatch):
+    from nanguard.protocol import MAX_JOB_LENGTH, job_name
+
+    long_a, long_b = "a" * 300, "a" * 299 + "b"
+    assert len(job_name(long_a)) <= MAX_JOB_LENGTH and job_name(long_a) != job_name(long_b)
+    assert job_name("run-7") == "run-7" and job_name(None) == "local"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", long_a)
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # nothing listens there: the link retries in the background, training is not held up
+    with nanguard.init(model, optimizer, coordinator="tcp://127.0.0.1:9", heartbeat_s=0.05) as guard:
+        train_step(model, optimizer, guard)
+        assert guard.step == 1

@@ -217,7 +217,7 @@ def test_capture_batch_false_writes_no_batch(tmp_path):
 def test_a_failed_write_leaves_nothing(tmp_path):
     path = new_incident_dir(str(tmp_path), "job-step7")
     kw = rank_inputs(0)
-    kw["batches"] = [{"args": (lambda x: x,), "kwargs": {}}]  # cannot be pickled
+    kw["model_state"] = {"w": lambda x: x}  # cannot be pickled (batches are kept as data: a lambda there is only named)
     with pytest.raises(IncidentError, match="could not be written.*nothing of it was left behind"):
         write_rank(path, 0, **kw)
     assert os.listdir(path) == []
@@ -286,7 +286,7 @@ def edit_manifest(path, change):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda m: m.update(version=2), "format version 2 is not supported.*upgrade nanguard"),
+    (lambda m: m.update(version=3), "format version 3 is not supported.*upgrade nanguard"),
     (lambda m: m.update(version="1"), "format version '1' is not supported"),
     (lambda m: m.update(format="other"), "not a nanguard incident manifest"),
     (lambda m: m.pop("ranks"), "field 'ranks' is missing"),

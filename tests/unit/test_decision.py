@@ -23,11 +23,18 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class StopAsked(Reporter):
-    """A coordinator link on which a stop command has arrived."""
+    """A coordinator link on which a stop command arrives after ``after`` steps."""
 
-    def __init__(self):
+    def __init__(self, after: int = 0):
         self.stops = []
-        self._pending = ("maintenance", "operator")
+        self.heartbeats = []
+        self._after = after
+        self._pending = ("maintenance", "operator") if after == 0 else None
+
+    def heartbeat(self, step, step_time_s, grad_norm):
+        self.heartbeats.append(step)
+        if len(self.heartbeats) == self._after:
+            self._pending = ("maintenance", "operator")
 
     @property
     def stop_requested(self) -> bool:
@@ -48,20 +55,21 @@ class Broken:
         raise RuntimeError("cannot save this scheduler")
 
 
-def train(collectives, *, bad_ranks=(), bad_step=2, steps=4, reporter=None, broken_ranks=(), tmp=None):
+def train(collectives, *, bad_ranks=(), bad_step=2, steps=4, reporter=None, broken_ranks=(), tmp=None,
+          on_nan="raise"):
     """One rank: train an MLP under a guard on the fake group; what happened, for asserts."""
     torch.manual_seed(0)
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     states = {"scheduler": Broken()} if collectives.rank in broken_ranks else {}
-    settings = Settings.resolve({"dir": str(tmp)}, environ={})
+    settings = Settings.resolve({"dir": str(tmp), "on_nan": on_nan}, environ={})
     guard = Guard(model, [optimizer], settings, states=states, collectives=collectives,
                   reporter=reporter(collectives.rank) if reporter else None)
     generator = torch.Generator().manual_seed(collectives.rank)
     before = None
     try:
         for step in range(steps):
-            model[2].armed = step == bad_step and collectives.rank in bad_ranks
+            model[2].armed = bad_step in (step, "every") and collectives.rank in bad_ranks
             before = copy.deepcopy(model.state_dict())
             train_step(model, optimizer, guard, x=torch.randn(5, 8, generator=generator))
         return {"completed": guard.step}
@@ -127,3 +135,17 @@ def test_read_step_and_agree_without_a_model():
     assert r0.bad and r1.bad and not r0.stop
     assert r0.probes == [1.0, 2.0] and r0.norms == [3.0]  # each rank reads its own values
     assert f0.event.layer == f1.event.layer == "l1"
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_a_stop_requested_during_a_nan_storm_stops_every_rank(tmp_path, policy):
+    # every step is bad on rank 1 and the policy lets training go on: a stop must still stop it
+    reporters = {0: StopAsked(after=3)}
+    results = ThreadGroup(2).run(lambda c: train(c, bad_ranks=(1,), bad_step="every", steps=50,
+                                                 on_nan=policy, reporter=lambda r: reporters.get(r),
+                                                 tmp=tmp_path))
+    for result in results:
+        assert isinstance(result["error"], nanguard.StopRequested), result
+        assert result["error"].step == 3 and result["step"] == 4
+    # the bad steps were reported as steps: the rank's progress does not freeze
+    assert reporters[0].heartbeats == [0, 1, 2, 3]

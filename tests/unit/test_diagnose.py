@@ -7,6 +7,7 @@ import math
 import torch
 
 from nanguard.events import Event
+from nanguard.rank.decision import Reading
 from nanguard.rank.diagnose import first_bad
 from nanguard.rank.records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 
@@ -15,6 +16,17 @@ NAN, INF = math.nan, math.inf
 
 def make(fields):
     return Event(rank=3, step=7, host="h", **fields)
+
+
+def reading(*pairs, evidence=(), local_grads_bad=None, grads=()):
+    """What the decision read: (minimum, maximum) of each OUT/CHECK probe, the gradients' norms,
+    then (minimum, maximum) of each IN probe."""
+    flat = [v for pair in pairs for v in pair]
+    norms = [float(torch.linalg.vector_norm(g)) for g in grads]
+    return Reading(True, False, flat, norms, [v for pair in evidence for v in pair], local_grads_bad)
+
+
+OK, BAD_NAN, BAD_INF = (0.0, 1.0), (NAN, NAN), (0.0, INF)
 
 
 def catalog(*names):
@@ -39,7 +51,7 @@ def log_of(*records, spans=((0, 0, 0),)):
 def test_a_kept_output_is_described_exactly_and_named_the_producer():
     bad = torch.tensor([[1.0, NAN], [INF, -2.0]])
     finding = first_bad(catalog("", "a", "b"), log_of(record(OUT, 1, torch.ones(2)), record(OUT, 2, bad)),
-                        [2.0, NAN], make)
+                        reading(OK, BAD_NAN), make)
     event = finding.event
     assert (event.kind, event.layer, event.module_type, event.rank, event.step) == ("forward", "b", "Linear", 3, 7)
     assert (event.nan_count, event.inf_count, event.first_index) == (1, 1, (0, 1))
@@ -50,23 +62,24 @@ def test_a_kept_output_is_described_exactly_and_named_the_producer():
 def test_a_freed_tensor_says_what_the_probe_knows_and_no_more():
     probe = record(OUT, 1)
     probe.shape, probe.dtype = torch.Size([4, 2]), torch.float32
-    event = first_bad(catalog("", "a"), log_of(probe), [INF], make).event
+    event = first_bad(catalog("", "a"), log_of(probe), reading(BAD_INF), make).event
     assert event.has_inf and not event.has_nan and event.bad_count is None
     assert event.shape == (4, 2) and event.numel == 8 and "no element detail" in event.message
 
 
-def test_a_float32_sum_that_overflowed_on_a_finite_tensor_is_not_blamed():
+def test_a_huge_finite_tensor_reads_finite_and_is_not_blamed():
+    # its float32 sum would overflow; its extremes cannot
     huge = torch.full((4,), 3e38)
     nan = torch.tensor([NAN])
     event = first_bad(catalog("", "a", "b"), log_of(record(OUT, 1, huge), record(OUT, 2, nan)),
-                      [INF, NAN], make).event
-    assert event.layer == "b"
+                      reading((3e38, 3e38), BAD_NAN), make).event
+    assert event.layer == "b" and "born in this module" in event.message
 
 
 def test_an_input_nothing_checked_is_blamed_on_the_parents_forward_code():
     bad = torch.tensor([NAN])
     log = log_of(record(OUT, 1, torch.ones(1)), record(IN, 2, bad), record(OUT, 2, bad))
-    event = first_bad(catalog("", "enc.a", "enc.b"), log, [1.0, NAN, NAN], make).event
+    event = first_bad(catalog("", "enc.a", "enc.b"), log, reading(OK, BAD_NAN, evidence=[BAD_NAN]), make).event
     assert event.kind == "forward" and event.layer == "enc.b" and event.input_nonfinite is True
     assert event.output_nonfinite is True and "forward code of enc" in event.message
 
@@ -75,7 +88,7 @@ def test_a_bad_batch_names_the_first_module_it_reached():
     batch = torch.tensor([1.0, NAN])
     log = log_of(record(BATCH, 0, batch, lazy=True), record(OUT, 1, torch.tensor([NAN])),
                  spans=((0, 0, 2),))
-    event = first_bad(catalog("", "embed"), log, [0.0, NAN], make).event
+    event = first_bad(catalog("", "embed"), log, reading(BAD_NAN), make).event
     assert event.layer == "embed" and event.input_nonfinite and event.micro_batch == 2
     assert "input batch of the model" in event.message
 
@@ -83,7 +96,7 @@ def test_a_bad_batch_names_the_first_module_it_reached():
 def test_a_checked_loss_is_a_loss_event():
     cat = catalog("")
     index = cat.check_index("loss")
-    event = first_bad(cat, log_of(record(CHECK, index, torch.tensor(NAN))), [NAN], make).event
+    event = first_bad(cat, log_of(record(CHECK, index, torch.tensor(NAN))), reading(BAD_NAN), make).event
     assert (event.kind, event.layer, event.micro_batch) == ("loss", "loss", None)
 
 
@@ -102,7 +115,7 @@ def gradients_case(cat, bad_slot):
 def test_a_gradient_born_in_backward_is_named_by_its_parameter():
     cat = catalog("", "a", "b")
     log, params, grads = gradients_case(cat, bad_slot=1)
-    event = first_bad(cat, log, [1.0, 1.0], make, params, grads).event
+    event = first_bad(cat, log, reading(OK, OK, grads=grads), make, params, grads).event
     assert event.kind == "grad" and event.layer == "a.weight" and event.extra["bad_params"] == ["a.weight"]
     assert "born in the backward pass" in event.message
 
@@ -110,14 +123,14 @@ def test_a_gradient_born_in_backward_is_named_by_its_parameter():
 def test_bad_gradients_from_the_last_module_blame_the_loss():
     cat = catalog("", "a", "b")
     log, params, grads = gradients_case(cat, bad_slot=2)
-    event = first_bad(cat, log, [1.0, 1.0], make, params, grads).event
+    event = first_bad(cat, log, reading(OK, OK, grads=grads), make, params, grads).event
     assert event.kind == "loss" and event.layer == "loss" and "guard.check(loss)" in event.message
 
 
 def test_gradients_another_rank_sent_are_that_ranks_event():
     cat = catalog("", "a", "b")
     log, params, grads = gradients_case(cat, bad_slot=2)
-    finding = first_bad(cat, log, [1.0, 1.0], make, params, grads, local_grads_bad=False)
+    finding = first_bad(cat, log, reading(OK, OK, local_grads_bad=False, grads=grads), make, params, grads)
     assert not finding.born_here and finding.event.kind == "grad"
     assert finding.event.extra["born_here"] is False and "another rank" in finding.event.message
 
@@ -125,4 +138,32 @@ def test_gradients_another_rank_sent_are_that_ranks_event():
 def test_nothing_bad_is_no_finding():
     cat = catalog("", "a", "b")
     log, params, _ = gradients_case(cat, bad_slot=1)
-    assert first_bad(cat, log, [1.0, INF], make, params, [torch.ones(2), torch.ones(2)]) is None
+    assert first_bad(cat, log, reading(OK, OK, grads=[torch.ones(2), torch.ones(2)]), make, params,
+                     [torch.ones(2), torch.ones(2)]) is None
+
+
+def test_an_infinite_input_alone_never_stops_and_an_output_made_from_it_is_born_here():
+    mask = torch.tensor([0.0, -INF])
+    out = torch.tensor([NAN, 1.0])
+    log = log_of(record(OUT, 1, torch.ones(1)), record(IN, 2, mask), record(OUT, 2, out))
+    event = first_bad(catalog("", "attn.prep", "attn.softmax"), log,
+                      reading(OK, BAD_NAN, evidence=[(-INF, 0.0)]), make).event
+    assert event.layer == "attn.softmax" and event.input_nonfinite is True and event.nan_count == 1
+    assert "infinities but no NaN" in event.message and "made here" in event.message
+    # the same mask where every output stays finite: nothing to report
+    log = log_of(record(IN, 2, mask), record(OUT, 2, torch.ones(2)))
+    assert first_bad(catalog("", "a", "b"), log, reading(OK, evidence=[(-INF, 0.0)]), make) is None
+
+
+def test_a_roots_own_parameter_counts_as_used_first_even_when_probed_last():
+    # under torch.compile the root (a ViT owning cls_token) is probed at the end of the graph
+    cat = Catalog(slots=[Slot("", "ViT", lambda: None, container=True), Slot("blocks.0", "Block", lambda: None),
+                         Slot("head", "Linear", lambda: None)])
+    params = {name: torch.zeros(2) for name in ("cls_token", "blocks.0.weight", "head.weight")}
+    for slot, name in enumerate(params):
+        cat.param_names[id(params[name])] = name
+        cat.param_owner[id(params[name])] = slot
+    log = log_of(record(OUT, 1, torch.ones(1)), record(OUT, 2, torch.ones(1)), record(OUT, 0, torch.ones(1)))
+    grads = [torch.tensor([NAN, 0.0]), torch.tensor([NAN, 0.0]), torch.ones(2)]  # born in head's backward
+    event = first_bad(cat, log, reading(OK, OK, OK, grads=grads), make, list(params.values()), grads).event
+    assert event.kind == "grad" and event.layer == "blocks.0.weight"

@@ -65,3 +65,38 @@ def test_a_clean_fit_leaves_no_hook_behind():
 def test_settings_are_checked_when_the_callback_is_made():
     with pytest.raises(nanguard.ConfigError, match="on_nan"):
         NanguardCallback(on_nan="ignore")
+
+
+class DataModel(Model):
+    """The fault is in the data: a poisoned sample of the loader."""
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+
+def poisoned_fit(callback, steps=8):
+    torch.manual_seed(0)
+    data = torch.randn(64, 4)
+    data[21, 2] = float("nan")  # sample 21: the sixth batch of four, step 5
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", callbacks=[callback], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(DataModel(), loader)
+
+
+def test_the_batch_the_trainer_hands_over_is_captured_and_fed_back_in_a_replay(monkeypatch):
+    from nanguard.incident import read_incident
+
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        poisoned_fit(NanguardCallback())
+    err = info.value
+    assert err.event.step == 5 and err.event.micro_batch == 0
+    (batch,) = read_incident(err.incident).rank_batches(0)[0]["args"]
+    assert torch.isnan(batch[0][1, 2])  # the batch, as the trainer handed it over
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(nanguard.ReplayFinished) as replay:
+        poisoned_fit(NanguardCallback())
+    report = replay.value.report
+    assert report["verdict"] == "reproducible" and report["first_event"]["step"] == 5
+    assert not any("not captured" in note or "extra ones" in note for note in report["notes"])

@@ -1,0 +1,97 @@
+"""What the backward pass is watched for: each DDP gradient bucket before its all-reduce, and
+the parameters' gradients as the pass leaves them, before the training loop clips, unscales or
+otherwise rewrites them (so that what it does to them cannot move the blame). No host sync."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .._tree import floating_tensors
+from . import forensics
+from .records import StepLog
+
+
+def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(minimum, maximum) of a non-empty tensor: both finite exactly when every element is
+    (no host sync)."""
+    return torch.aminmax(forensics.plain(tensor))
+
+
+class BackwardWatch:
+    """Writes into ``log``: ``buckets`` (DDP) and ``produced`` (the gradients' norms at the end of
+    each backward pass). ``attached()`` says whether the guard is still installed."""
+
+    def __init__(self, log: StepLog, attached: Callable[[], bool]):
+        self.log = log
+        self.attached = attached
+        self.watches_buckets = False
+        self.snapshot_gradients = True
+        """False: gradients are taken at the optimizer step (a GradScaler's are scaled until then)"""
+        self._params: list[weakref.ref] = []
+        """every trainable parameter of the attached roots (weakly: a guard keeps no model alive)"""
+        self._queued = False
+
+    def add_parameter(self, param: torch.Tensor) -> None:
+        if param.requires_grad:
+            self._params.append(weakref.ref(param))
+
+    def watch_ddp(self, ddp: nn.Module) -> None:
+        """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
+        NaN born in its own backward from one the all-reduce brought in from another rank.
+
+        DDP takes one communication hook: ours does the default all-reduce, and a hook the
+        user registers later is called by ours instead (it replaces the default).
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
+
+        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
+        buckets = self.log.buckets
+
+        def bucket_hook(state, bucket):
+            if self.attached() and bucket.buffer().numel():
+                buckets.extend(probe(bucket.buffer()))
+                # queued after DDP's own end-of-backward work: the gradients are all-reduced by then
+                self._queue_end()
+            return route["hook"](route["state"], bucket)
+
+        def register_comm_hook(state, hook):
+            route["state"], route["hook"] = state, hook
+
+        try:
+            ddp.register_comm_hook(None, bucket_hook)
+        except RuntimeError:
+            return  # the user registered a hook first: no per-rank origin for backward NaNs
+        ddp.register_comm_hook = register_comm_hook
+        self.watches_buckets = True
+
+    def forward_done(self, output: object) -> None:
+        """A root forward returned ``output``: its backward pass will be watched."""
+        if self.snapshot_gradients and not self.watches_buckets and torch.is_grad_enabled():
+            # the gradient reaching the model's output comes first in its backward pass
+            tensor = next((t for t in floating_tensors(output) if t.requires_grad), None)
+            if tensor is not None:
+                tensor.register_hook(self._started)
+
+    def _started(self, grad: torch.Tensor) -> None:
+        self._queue_end()
+
+    def _queue_end(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        """The backward pass is over: the gradients as it left them, their norms from one fused
+        pass (device tensors: nothing is read here)."""
+        self._queued = False
+        if not self.attached() or not self.snapshot_gradients:
+            return
+        owners = [p for p in (ref() for ref in self._params) if p is not None and p.grad is not None]
+        grads = [forensics.plain(p.grad.coalesce().values() if p.grad.is_sparse else p.grad) for p in owners]
+        self.log.produced = (owners, list(torch._foreach_norm(grads)) if grads else [])

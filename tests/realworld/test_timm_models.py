@@ -1,0 +1,143 @@
+"""timm's ViT and ResNet (BatchNorm), eager and under torch.compile, with faults at known places."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
+                     until_stop)
+from oracles import ForwardOracle, GradOracle, StateBefore
+from zoo import image_batch, poison_backward_of, resnet, vit
+
+needs("timm")
+
+BAD_STEP = 2
+
+
+def vit_step(model, optimizer, run=None):
+    run = model if run is None else run
+
+    def step(i):
+        x, y = image_batch(i)
+        nn.functional.cross_entropy(run(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def test_vit_nan_born_in_the_attention_backward_names_qkv():
+    model = vit()
+    poison = poison_backward_of(model.blocks[0].attn.q_norm)  # the gradient flowing back into q
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        grads = GradOracle(model)
+        arm = lambda i: poison.fill_(math.nan if i == BAD_STEP else 1.0)  # noqa: E731
+        _, err, before = until_stop(vit_step(model, optimizer), model, optimizer, steps=4, arm=arm,
+                                    oracles=[grads])
+    first = grads.bad_params_of_first_module()
+    assert first == {"blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias"}
+    event = err.event
+    assert (event.step, event.rank, event.kind) == (BAD_STEP, 0, "grad")
+    assert event.layer in first and event.has_nan
+    assert "born in the backward pass" in event.message
+    assert_untouched(before, model, optimizer)
+
+
+def test_vit_compiled_names_the_same_parameter_as_eager():
+    model = vit()
+    poison = poison_backward_of(model.blocks[0].attn.q_norm)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):  # before the first compiled call
+        # aot_eager: AOTAutograd's joint graph, as inductor builds it, without code generation
+        compiled = torch.compile(model, backend="aot_eager")
+        arm = lambda i: poison.fill_(math.nan if i == BAD_STEP else 1.0)  # noqa: E731
+        _, err, before = until_stop(vit_step(model, optimizer, compiled), model, optimizer, steps=4, arm=arm)
+    assert_untouched(before, model, optimizer)
+    # the oracle: the same weights and batch in eager mode, with a hook on every parameter
+    twin = vit()
+    twin.load_state_dict(before.state["params"], strict=False)
+    poison_backward_of(twin.blocks[0].attn.q_norm).fill_(math.nan)
+    grads = GradOracle(twin)
+    x, y = image_batch(BAD_STEP)
+    nn.functional.cross_entropy(twin(x), y).backward()
+    first = grads.bad_params_of_first_module()
+    assert first == {"blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias"}
+    event = err.event
+    assert (event.step, event.kind) == (BAD_STEP, "grad")
+    assert event.layer in first, str(event)
+
+
+def resnet_script(policy: str = "raise", steps: int = 4, poison_at: int | None = BAD_STEP):
+    """The user's script: a timm ResNet whose loader gives one NaN pixel at step ``poison_at``."""
+    model = resnet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = nanguard.init(model, optimizer, on_nan=policy)
+    oracle = ForwardOracle(model)
+
+    def step(i):
+        x, y = image_batch(i)
+        if i == poison_at:
+            x[1, 0, 5, 5] = math.nan
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, guard, oracle, step
+
+
+def test_resnet_poisoned_batch_names_the_batch_and_replays(monkeypatch):
+    model, optimizer, guard, oracle, step = resnet_script()
+    with guard:
+        _, err, before = until_stop(step, model, optimizer, steps=4, oracles=[oracle])
+    truth = oracle.producer()
+    assert (truth.name, truth.inputs_finite) == ("conv1.0", False)  # the batch's first stop
+    event = err.event
+    assert (event.step, event.kind, event.layer, event.module_type) == (BAD_STEP, "forward", "conv1.0", "Conv2d")
+    assert (event.input_nonfinite, event.first_index, event.nan_count) == (True, (1, 0, 5, 5), 1)
+    assert "input batch" in event.message
+    changed = before.changed(model, optimizer)
+    assert [n for n in changed if "running_" not in n] == []  # parameters and optimizer state (buffers: below)
+
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    model, optimizer, guard, oracle, step = resnet_script(poison_at=None)  # the loader's clean batches
+    with pytest.raises(SystemExit) as finished:
+        step(0)
+    assert finished.value.code == 0
+    from nanguard.incident import read_incident
+
+    report = read_incident(err.incident).replay_report()
+    assert report["verdict"] == "reproducible", report["message"]
+    first = report["trace"]["0"]["forward"][0]
+    assert (first["module"], first["output"]["first_index"]) == ("<the captured batch>", [1, 0, 5, 5])
+    assert_fed_as_captured(report)
+
+
+def test_resnet_stop_leaves_batchnorm_statistics_as_before_the_step():
+    model, optimizer, guard, oracle, step = resnet_script()
+    with guard:
+        _, err, before = until_stop(step, model, optimizer, steps=4)
+    assert err.event.step == BAD_STEP
+    assert_untouched(before, model, optimizer)
+    assert_incident_holds(err, before)
+
+
+def test_resnet_skip_leaves_batchnorm_statistics_and_eval_stays_finite():
+    model, optimizer, guard, oracle, step = resnet_script(policy="skip")
+    with guard:
+        for i in range(4):
+            before = StateBefore(model, optimizer)
+            step(i)
+            if i == BAD_STEP:
+                assert guard.skipped_steps == 1
+                assert_untouched(before, model, optimizer)
+        model.eval()
+        with torch.no_grad():
+            out = model(image_batch(9)[0])
+        assert torch.isfinite(out).all()
+        assert [e.step for e in guard.events] == [BAD_STEP]

@@ -1,0 +1,259 @@
+"""DESIGN.md's Trust rules, each on a model built to break it: a finite tensor never reads as
+non-finite, a non-finite input alone never stops a step, gradients are judged as they are
+produced, norms never overflow on finite gradients, and whatever a module returns is looked into."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_guard import GradFault
+from torch import nn
+
+import nanguard
+
+
+class MaskedAttention(nn.Module):
+    """A causal attention that adds a -inf mask to its scores, as half the transformers in use do."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        mask = torch.full(scores.shape[-2:], -math.inf).triu(1)
+        return self.softmax(scores + mask) @ x  # the masked scores reach Softmax as its input
+
+
+def test_an_additive_minus_inf_mask_never_stops_a_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), MaskedAttention(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(3):
+            model(torch.randn(4, 5, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 3 and guard.events == []
+
+
+class Huge(nn.Module):
+    """Finite, and huge: a float32 sum of its output overflows."""
+
+    def forward(self, x):
+        return x.sign() * 3e37 + x
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x * math.nan if self.armed else x / 1e37
+
+
+def test_a_huge_finite_tensor_is_never_read_as_non_finite_nor_blamed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), Huge(), Broken(), nn.Linear(64, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer, detail_mb=0) as guard:  # nothing kept: probes alone
+        for step in range(3):
+            model[2].armed = step == 2
+            try:
+                model(torch.randn(32, 8)).sum().backward()
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+            optimizer.zero_grad()
+    assert event.step == 2 and event.layer == "2" and event.input_nonfinite is False
+    assert event.has_nan and "born in this module" in event.message
+    assert [e.layer for e in guard.events] == ["2"]  # the huge, finite steps read clean
+
+
+@pytest.mark.parametrize("rewrite", ["clip_grad_norm_", "unscale"])
+def test_what_the_loop_does_to_gradients_after_backward_cannot_move_the_blame(rewrite):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), GradFault(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        model[3].armed = True
+        model(torch.randn(4, 8)).sum().backward()
+        if rewrite == "clip_grad_norm_":
+            # the total norm is NaN, so every gradient becomes NaN: the last layer's too
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            for p in model.parameters():
+                p.grad.mul_(math.nan)  # a loop's own rewrite of every gradient
+        assert all(torch.isnan(p.grad).all() for p in model.parameters())
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+    event = info.value.event
+    # born in the backward of GradFault: the first gradient it poisoned is the one of the layer before it
+    assert event.kind == "grad" and event.layer == "2.weight", event
+    assert "born in the backward pass" in event.message
+    assert guard.step == 1
+
+
+def test_a_gradient_norm_past_float_range_still_warns():
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer, grad_norm_warn=1.0) as guard:
+        (model(torch.randn(8, 64)) * 1e37).sum().backward()  # finite gradients, L2 norm > 3.4e38
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        optimizer.step()
+    warning = next(e for e in guard.events if e.kind == "grad_norm")
+    assert math.isfinite(warning.grad_norm) and warning.grad_norm > 1e38
+    assert math.isfinite(guard.last_grad_norm)
+
+
+class Policy(nn.Module):
+    """Returns a distribution: the tensors it holds are what a NaN reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.Linear(4, 2)
+        self.broken = False
+
+    def forward(self, x):
+        scale = torch.full((x.shape[0], 2), math.nan if self.broken else 1.0)
+        return torch.distributions.Normal(self.mean(x), scale, validate_args=False)
+
+
+def test_an_object_a_module_returns_is_looked_into():
+    model = Policy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.broken = True
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            dist = model(torch.randn(3, 4))
+            dist.mean.sum().backward()
+            optimizer.step()
+    event = info.value.event
+    assert event.kind == "forward" and event.has_nan and event.module_type == "Policy"
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def state(model, optimizer):
+    import copy
+
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_stopped_or_skipped_step_leaves_batchnorm_statistics_as_they_were(policy, tmp_path):
+    from nanguard.incident import read_incident
+
+    model = bn_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    with nanguard.init(model, optimizer, on_nan=policy, capture=True) as guard:
+        for step in range(4):
+            x = torch.randn(16, 4)
+            if step == 2:
+                x[3, 1] = math.nan
+                before = state(model, optimizer)
+            try:
+                model(x).sum().backward()
+                optimizer.step()
+            except nanguard.NonFiniteError:
+                break
+            finally:
+                optimizer.zero_grad()
+            if step == 2:
+                after = state(model, optimizer)
+        if policy == "raise":
+            after = state(model, optimizer)
+        for name, value in before[0].items():
+            assert torch.equal(value, after[0][name]), f"{name} changed"  # running stats, batch count
+        assert repr(before[1]) == repr(after[1])
+        saved = read_incident(guard.incident).rank_state(0)["model"]
+        assert all(torch.equal(saved[name], value) for name, value in before[0].items())
+    model.eval()
+    assert torch.isfinite(model(torch.randn(5, 4))).all()
+
+
+def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kept = model[0].running_var.clone()
+        x = torch.randn(8, 4) * 1e20  # its variance overflows float32; the normalised output does not
+        out = model(x)
+        assert torch.isfinite(out).all() and not torch.isfinite(model[0].running_var).all()
+        out.sum().backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+        assert torch.equal(model[0].running_var, kept)
+    event = info.value.event
+    assert event.kind == "buffer" and event.layer == "0.running_var" and event.module_type == "BatchNorm1d"
+    assert guard.step == 2
+
+
+class WithLoss(nn.Module):
+    """Computes its own loss, as a transformers model given labels does, and returns a mapping."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        keep = labels != -100
+        loss = nn.functional.cross_entropy(logits[keep], labels[keep])  # every label -100: NaN
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_loss_the_model_returns_is_named_by_its_field(checked):
+    model = WithLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            out = model(torch.randn(5, 4), labels=torch.full((5,), -100))
+            if checked:
+                guard.check(out["loss"])
+            out["loss"].backward()
+            optimizer.step()
+    event = info.value.event
+    assert event.output_field == "loss" and event.shape == () and "the value is nan" in str(event)
+    if checked:
+        assert event.kind == "loss" and event.layer == "loss" and "the model computed it" in event.message
+    else:
+        assert event.kind == "forward" and str(event).startswith("non-finite 'loss' in the output of the model")
+
+
+def test_a_resumed_run_goes_on_counting_where_it_left_off(monkeypatch, tmp_path):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, spike_warmup_steps=2) as guard:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+        saved = guard.state_dict()
+    assert saved["step"] == 3 and saved["grad_norm_level"] > 0
+    with nanguard.init(nn.Linear(4, 2)) as other, pytest.raises(nanguard.ConfigError, match="step=-1 must be"):
+        other.load_state_dict({**saved, "step": -1})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    model2 = nn.Linear(4, 2)
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with nanguard.init(model2, optimizer2) as guard:
+        guard.load_state_dict(saved)
+        assert guard.step == 3 and guard.state_dict() == saved
+        with torch.no_grad():
+            model2.weight[0, 0] = math.nan
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            model2(torch.randn(2, 4)).sum().backward()
+            optimizer2.step()
+    assert info.value.event.step == 3 and info.value.incident.endswith("job-restart2-step3")
