@@ -7,8 +7,8 @@ Format (``VERSION`` 1)::
      "rows": [[0, 2.31, 0.41, 65536.0, 0.001, 0.12], ...],      oldest first, values may be null
      "top_params": [{"step": 24, "params": {"blocks.1.fc.weight": 812.0, ...}}, ...]}
 
-Non-finite values may be written as JSON's NaN/Infinity or as "nan"/"inf"/"-inf" (how nanguard
-writes them elsewhere). The file comes from disk: ``parse`` checks every field and says what is
+The recorder writes a NaN or Inf as null (the events say which); a file may also hold JSON's
+NaN/Infinity or "nan"/"inf"/"-inf" (how nanguard writes them elsewhere), drawn as non-finite. The file comes from disk: ``parse`` checks every field and says what is
 wrong, and nothing here raises on a malformed one beyond ``FlightError``. Its absence is normal
 (incidents older than the recorder have none).
 """
@@ -155,17 +155,36 @@ def lines(flight: Flight, incident_step: int, indent: int) -> list[str]:
     mark = column_of(steps, incident_step)
     where = "" if incident_step in steps else (" (after the last row)" if incident_step > steps[-1] else "")
     out.append(f"{pad}{'':<11}{' ' * mark}^ step {incident_step}, the incident{where}")
-    for entry in flight.top_params[-1:]:
-        top = sorted(((n, v) for n, v in entry["params"].items() if v is not None),
-                     key=lambda kv: -abs(kv[1]) if math.isfinite(kv[1]) else -math.inf)[:3]
-        out.append(f"{pad}{'top params':<11}step {entry['step']}: "
-                   + ", ".join(f"{n} {v:.4g}" for n, v in top))
+    for entry in _top_entries(flight.top_params):
+        out.append(f"{pad}{'top params':<11}step {entry['step']}: " + ", ".join(
+            f"{name} {_norm(norm)}" for name, norm in _largest(entry["params"])))
     return out
+
+
+def _top_entries(top: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The last entry, and the last one with a finite norm when the last has none (the step
+    before things went non-finite)."""
+    if not top:
+        return []
+    finite = [e for e in top if any(v is not None and math.isfinite(v) for v in e["params"].values())]
+    return [top[-1]] if not finite or finite[-1] is top[-1] else [finite[-1], top[-1]]
+
+
+def _largest(params: dict[str, float | None], count: int = 3) -> list[tuple[str, float | None]]:
+    # None is how the recorder writes a NaN or Inf norm: those first, as it ranks them
+    return sorted(params.items(), key=lambda kv: -math.inf if kv[1] is None or not math.isfinite(kv[1])
+                  else -abs(kv[1]))[:count]
+
+
+def _norm(norm: float | None) -> str:
+    return "non-finite" if norm is None or not math.isfinite(norm) else f"{norm:.4g}"
 
 
 def _range(values: list[float | None]) -> str:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     bad = sum(1 for v in values if v is not None and not math.isfinite(v))
+    if all(v is None for v in values):
+        return "none recorded"
     text = f"{min(finite):.4g} .. {max(finite):.4g}, last finite {finite[-1]:.4g}" if finite else "no finite values"
     return text + (f"; {bad} non-finite (!)" if bad else "")
 

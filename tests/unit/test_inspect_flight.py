@@ -59,6 +59,20 @@ def test_sparklines_of_loss_and_grad_norm_with_the_incident_step_marked(tmp_path
     assert top == "  top params step 6: blocks.1.fc.weight 159, blocks.1.fc.bias 12.5, head.bias 0.1"
 
 
+def test_what_the_recorder_writes_for_non_finite_values_is_drawn_as_such(tmp_path):
+    """The recorder writes NaN and Inf as null: a parameter's null norm at the incident step is
+    a non-finite one (it ranks them first), and a column it never filled says so."""
+    path, _ = make_incident(tmp_path)
+    data = recorder()
+    data["rows"] = [[s, None, 0.5, None, 1e-3, 0.1] for s in range(7)] + [[7, None, None, None, 1e-3, 0.1]]
+    data["top_params"] = [{"step": 6, "params": {"a.weight": 3.0, "b.weight": 1.0}},
+                          {"step": 7, "params": {"a.weight": None, "b.weight": 2.0}}]
+    add_flight(path, 1, data)
+    lines = [line for line in inspect.summary(read_incident(path)).splitlines() if line.startswith("  ")]
+    assert lines[0].startswith("  loss       ········") and lines[0].endswith("none recorded")
+    assert lines[-1] == "  top params step 7: a.weight non-finite, b.weight 2"
+
+
 def test_json_keeps_its_keys_and_adds_the_flight(tmp_path, capsys):
     path, _ = make_incident(tmp_path)
     assert inspect.main([path, "--json"]) == 0
