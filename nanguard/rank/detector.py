@@ -50,12 +50,18 @@ _FINITE_PRESERVING = (
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
 
 
-def mode_of(module: nn.Module, name: str, skip_types: tuple, skip_modules: tuple) -> int:
+def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
+    """Whether settings ``skip_types`` / ``skip_modules`` name ``module`` (called ``name``): its
+    outputs may be non-finite on purpose. Its children are skipped with it (``attach``)."""
+    cls = type(module)
+    return any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
+               for t in skip_types) or any(fnmatch.fnmatchcase(name, p) for p in skip_modules)
+
+
+def mode_of(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> int:
     """How a module's hook treats it: skipped (it emits non-finite values on purpose), passed
     (its output is finite exactly when its input is), or checked."""
-    cls = type(module)
-    if any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
-           for t in skip_types) or any(fnmatch.fnmatchcase(name, p) for p in skip_modules):
+    if skipped(module, name, skip_types, skip_modules):
         return SKIP_MODE
     if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
         return PASS_MODE

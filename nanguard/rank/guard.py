@@ -318,7 +318,7 @@ def init(model: nn.Module | None = None,
                               " guard; unset one of them")
         # checks the whole incident before touching anything
         collectives = Collectives()
-        observer = Replay.open(settings.replay, collectives.rank, collectives.world_size)
+        observer = Replay.open(settings, collectives.rank, collectives.world_size)
         settings = observer.forensic(settings)
     if settings.disable:
         return Guard(None, [], settings, on_stop)
