@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning,realworld]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning,realworld,plot]'
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt timm  # without torchvision (pyproject.toml says why)
 	touch $(STAMP)
 

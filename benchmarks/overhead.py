@@ -555,7 +555,7 @@ def measure_capture_bookkeeping(results: list[Result], calls: int = 2000) -> dic
     samples = []
     for _ in range(calls):
         start = time.perf_counter()
-        capture.rng_snapshot(numpy=False)
+        capture.rng_snapshot(host=False)
         samples.append(time.perf_counter() - start)
     cost_ms = statistics.median(samples) * 1e3
     out = {"rng_snapshot_ms": cost_ms}

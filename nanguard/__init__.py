@@ -1,7 +1,7 @@
 """nanguard: stop a distributed PyTorch job at the first NaN/Inf, before the bad update.
 
-``init`` and ``Guard`` (which need torch) are imported on first use, so that the coordinator
-daemon and the operator commands, which share this package, never import torch.
+``init``, ``Guard`` and ``skip_list`` (which need torch) are imported on first use, so that the
+coordinator daemon and the operator commands, which share this package, never import torch.
 """
 
 from ._dist import destroy_process_group
@@ -28,6 +28,7 @@ __all__ = [
     "StopRequested",
     "destroy_process_group",
     "init",
+    "skip_list",
 ]
 __version__ = "0.1.0"
 
@@ -37,4 +38,8 @@ def __getattr__(name: str):
         from .rank import guard
 
         return getattr(guard, name)
+    if name == "skip_list":
+        from .replay.skipfile import skip_list
+
+        return skip_list
     raise AttributeError(f"module 'nanguard' has no attribute {name!r}")

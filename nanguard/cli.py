@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     keys.set_defaults(func=_keys)
     # listed here for --help; its own parser (nanguard/incident/report.py) reads its arguments
     commands.add_parser("inspect", add_help=False,
-                        help="summarise an incident folder: nanguard inspect DIR [--json]")
+                        help="summarise an incident folder: nanguard inspect DIR [--json] [--plot FILE.png]")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["inspect"]:
         from .incident.report import main as inspect_main

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from .protocol import POLICIES, Policy, check_curve_key, parse_address
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_DEVICE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]+)?")  # torch.device's form; torch itself checks it later
 
 
 def _parse_bool(text: str) -> bool:
@@ -45,6 +47,10 @@ def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
 
+def _parse_optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
 def _setting(default: Any, parse, doc: str):
     return field(default=default, metadata={"parse": parse, "doc": doc})
 
@@ -68,6 +74,20 @@ class Settings:
         1024, int, "events held for the coordinator's sender thread; more are dropped and counted"
     )
     replay: str | None = _setting(None, _parse_optional_str, "incident folder to replay")
+    replay_device: str | None = _setting(
+        None, _parse_optional_str,
+        "device a replay runs the model on (cpu, cuda:3); default: where the script puts it"
+    )
+    replay_rank: int | None = _setting(
+        None, _parse_optional_int,
+        "rank whose part a one-process replay of a multi-rank incident runs; default: the first event's"
+    )
+    replay_ops: bool = _setting(
+        True, _parse_bool, "a replay checks every ATen operation of its step (slower; off: modules only)"
+    )
+    sample_id_key: str | None = _setting(
+        None, _parse_optional_str, "key or keyword of the model's input that holds sample ids (replay)"
+    )
     disable: bool = _setting(False, _parse_bool, "install nothing; init returns an inert guard")
     capture: bool | None = _setting(
         None, _parse_optional_bool,
@@ -136,13 +156,24 @@ class Settings:
             raise ConfigError(f"spike_factor={self.spike_factor!r} must be a number above 1")
         if self.capture not in (None, True, False):
             raise ConfigError(f"capture={self.capture!r} must be None, True or False")
-        for name in ("disable", "param_grad_norms", "capture_batch"):
+        self._check_replay()
+        for name in ("disable", "param_grad_norms", "capture_batch", "replay_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("skip_types", "skip_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, (str, type)) for v in value):
                 raise ConfigError(f"{name}={value!r} must be a list of names")
+
+    def _check_replay(self) -> None:
+        if self.replay_device is not None and not (
+                isinstance(self.replay_device, str) and _DEVICE.fullmatch(self.replay_device)):
+            raise ConfigError(f"replay_device={self.replay_device!r} must name a device such as cpu or cuda:3")
+        if self.replay_rank is not None and (isinstance(self.replay_rank, bool) or not isinstance(
+                self.replay_rank, int) or self.replay_rank < 0):
+            raise ConfigError(f"replay_rank={self.replay_rank!r} must be a rank (0 or more) or None")
+        if self.sample_id_key is not None and not (isinstance(self.sample_id_key, str) and self.sample_id_key):
+            raise ConfigError(f"sample_id_key={self.sample_id_key!r} must be a non-empty name or None")
 
     @classmethod
     def resolve(cls, overrides: Mapping[str, Any] | None = None,

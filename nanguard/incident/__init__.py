@@ -6,6 +6,7 @@ back verified.
     manifest  the format: names, the manifest, every rule a manifest must follow
     writer    one rank's part, the manifest, the replay report; the capture across ranks
     reader    Incident and read_incident
+    flight    the flight recorder (flight.json): its format, checked as untrusted input, and its drawing
     report    what ``nanguard inspect`` prints (imported on its own: it needs the replay module)
 
 No hooks and no ``torch.distributed`` here: ``capture_incident`` takes its collectives as an

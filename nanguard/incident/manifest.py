@@ -10,6 +10,7 @@ Layout (``FORMAT_VERSION`` 2)::
                               rng.pt      rng_snapshot() from the start of the step
                               events.json [Event.to_dict(), ...]
                               environment.json
+                              flight.json  the flight recorder (optional: older incidents have none)
 
 The manifest lists every file with its size and sha256; nothing a manifest names is read before
 all of its structure has been checked, and only the file names above may appear in it, so a

@@ -1,7 +1,9 @@
 """``nanguard inspect DIR``: what an incident says, read without the training code.
 
 Reads only the manifest and the JSON files (and checks every file's sha256); never unpickles
-a state or a batch, so it runs anywhere torch is installed, on any incident.
+a state or a batch, so it runs anywhere torch is installed, on any incident. The flight recorder
+(flight.json), when the incident has one, is drawn as sparklines, or with ``--plot FILE.png``
+as an image (matplotlib).
 """
 
 from __future__ import annotations
@@ -13,8 +15,13 @@ from typing import Any
 
 from ..errors import IncidentError
 from ..events import Event
-from ..replay.report import trace_lines
+from ..replay.render import detail_lines, trace_lines
+from . import flight
+from .fsio import plain
+from .manifest import FLIGHT
 from .reader import Incident, read_incident
+
+_LABEL = 13  # width of the summary's left column
 
 
 def _size(n: int) -> str:
@@ -50,7 +57,36 @@ def as_json(incident: Incident) -> dict[str, Any]:
         "notes": manifest.get("notes") or {},
         "ranks": [{"rank": r["rank"], "files": r["files"]} for r in manifest["ranks"]],
         "replay": incident.replay_report(),
+        "flight": {str(rank): _flight_json(incident, rank) for rank in _flight_ranks(incident)},
     }
+
+
+def _flight_ranks(incident: Incident) -> list[int]:
+    return [r["rank"] for r in incident.manifest["ranks"]
+            if f"rank{r['rank']}/{FLIGHT}" in r["files"]]
+
+
+def _flight_json(incident: Incident, rank: int) -> dict[str, Any]:
+    try:
+        recorded = read_flight(incident, rank)
+    except flight.FlightError as exc:
+        return {"problem": str(exc)}
+    return plain({"columns": recorded.columns, "rows": recorded.rows, "top_params": recorded.top_params})
+
+
+def read_flight(incident: Incident, rank: int) -> flight.Flight | None:
+    """Rank ``rank``'s flight recorder, checked; None when it has none; FlightError (naming the
+    file) when it is malformed."""
+    try:
+        data = incident.rank_flight(rank)
+    except IncidentError as exc:
+        raise flight.FlightError(exc.reason) from exc
+    if data is None:
+        return None
+    try:
+        return flight.parse(data)
+    except flight.FlightError as exc:
+        raise flight.FlightError(f"rank{rank}/{FLIGHT} is malformed: {exc}") from exc
 
 
 def summary(incident: Incident) -> str:
@@ -87,7 +123,8 @@ def summary(incident: Incident) -> str:
             lines.append(f"             {replay['message']}")
         try:
             lines += [f"trace        {line}" for line in trace_lines(replay, per_rank=2)]
-        except (KeyError, TypeError, ValueError, AttributeError):
+            lines += [f"{label:<{_LABEL - 1}} {text}" for label, text in detail_lines(replay)]
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             lines.append("trace        (not readable in this report)")
     if data["sharded"]:
         lines.append(f"sharded      {data['sharded']}")
@@ -95,6 +132,7 @@ def summary(incident: Incident) -> str:
         lines.append("batches      not captured (capture_batch=False): a replay needs the data again")
     for key, value in data["notes"].items():
         lines.append(f"note         {key}: {value}")
+    lines += flight_lines(incident)
     for r in data["ranks"]:
         files = ", ".join(f"{path.split('/', 1)[1]} {_size(entry['size'])}"
                           for path, entry in r["files"].items())
@@ -102,11 +140,48 @@ def summary(incident: Incident) -> str:
     return "\n".join(lines)
 
 
+def flight_lines(incident: Incident) -> list[str]:
+    """The first event's rank's flight recorder (or the first rank's that has one), drawn."""
+    ranks = _flight_ranks(incident)
+    if not ranks:
+        return []
+    first = incident.first_event.rank
+    rank = first if first in ranks else ranks[0]
+    try:
+        recorded = read_flight(incident, rank)
+    except flight.FlightError as exc:
+        return [f"{'flight':<{_LABEL}}not drawn: {exc}"]
+    others = f"; ranks with one: {', '.join(map(str, ranks))}" if len(ranks) > 1 else ""
+    whose = " (the first event's)" if rank == first else ""
+    head = f"{'flight':<{_LABEL}}rank {rank}{whose}: {len(recorded.rows)} step(s) recorded{others}"
+    return [head] + flight.lines(recorded, incident.step, indent=2)
+
+
+def _plot(incident: Incident, path: str) -> str | None:
+    """Draws the flight recorder into ``path``; returns what went wrong, or None."""
+    ranks = _flight_ranks(incident)
+    if not ranks:
+        return "this incident has no flight recorder (flight.json): nothing to plot"
+    rank = incident.first_event.rank if incident.first_event.rank in ranks else ranks[0]
+    try:
+        recorded = read_flight(incident, rank)
+        flight.plot(recorded, incident.step, f"{incident.name}: rank {rank}", path)
+    except flight.FlightError as exc:
+        return f"not plotted: {exc}"
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'nanguard[plot]'"
+    except OSError as exc:
+        return f"{path}: could not be written ({exc.strerror or exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``nanguard inspect DIR [--json]``: 0 on success, 2 on a missing, partial or damaged incident."""
+    """``nanguard inspect DIR [--json] [--plot FILE.png]``: 0 on success, 2 on a missing, partial or
+    damaged incident, 1 when the plot could not be drawn (the summary is printed all the same)."""
     parser = argparse.ArgumentParser(prog="nanguard inspect", description=__doc__.splitlines()[0])
     parser.add_argument("dir", metavar="DIR", help="an incident folder (under NANGUARD_DIR)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the flight recorder into an image (matplotlib)")
     args = parser.parse_args(argv)
     try:
         incident = read_incident(args.dir)
@@ -115,4 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanguard inspect: {err.path}: {err.reason}", file=sys.stderr)
         return 2
     print(text)
+    problem = _plot(incident, args.plot) if args.plot else None
+    if problem is not None:
+        print(f"nanguard inspect: {problem}", file=sys.stderr)
+        return 1
+    if args.plot and not args.json:
+        print(f"{'plot':<{_LABEL}}{args.plot}")
     return 0

@@ -50,6 +50,24 @@ _FINITE_PRESERVING = (
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
 
 
+def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
+    """Whether settings ``skip_types`` / ``skip_modules`` name ``module`` (called ``name``): its
+    outputs may be non-finite on purpose. Its children are skipped with it (``attach``)."""
+    cls = type(module)
+    return any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
+               for t in skip_types) or any(fnmatch.fnmatchcase(name, p) for p in skip_modules)
+
+
+def mode_of(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> int:
+    """How a module's hook treats it: skipped (it emits non-finite values on purpose), passed
+    (its output is finite exactly when its input is), or checked."""
+    if skipped(module, name, skip_types, skip_modules):
+        return SKIP_MODE
+    if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
+        return PASS_MODE
+    return CHECK_MODE
+
+
 class Detector:
     """Installs the hooks and keeps the probes of the current step (``log``)."""
 
@@ -89,7 +107,7 @@ class Detector:
                 continue
             qualified = f"{prefix}.{name}".strip(".") if prefix else name
             slot = self._register(module, qualified)
-            mode = self._mode(module, qualified)
+            mode = mode_of(module, qualified, self._skip_types, self._skip_modules)
             if any(qualified == s or qualified.startswith(s + ".") for s in skipped):
                 mode = SKIP_MODE
             elif mode == SKIP_MODE:
@@ -132,15 +150,6 @@ class Detector:
         self._handles.clear()
         self._modules = weakref.WeakKeyDictionary()
         self.reset()
-
-    def _mode(self, module: nn.Module, name: str) -> int:
-        cls = type(module)
-        if any(t is cls or t in (cls.__name__, type_name(module), f"{cls.__module__}.{cls.__qualname__}")
-               for t in self._skip_types) or any(fnmatch.fnmatchcase(name, p) for p in self._skip_modules):
-            return SKIP_MODE
-        if isinstance(module, _FINITE_PRESERVING) and getattr(module, "negative_slope", 0) <= 1:
-            return PASS_MODE
-        return CHECK_MODE
 
     # ------------------------------------------------------------------ hot path
     def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False,

@@ -210,10 +210,9 @@ class Guard:
 
     # ------------------------------------------------------------------ the steps
     def _on_step_start(self) -> None:
-        # The RNG as it was when the step began, for the capture: small host copies (about
-        # 20 us). numpy's state is read at the capture instead (it costs 80 us to read, and the
-        # forward, backward and optimizer step of a training loop do not draw from it).
-        self._rng = rng_snapshot(numpy=False)
+        # torch's RNG as it was when the step began, for the capture: small copies (a few us).
+        # python's and numpy's are read at the capture instead (incident/rng.py says why).
+        self._rng = rng_snapshot(host=False)
 
     def _on_root_end(self) -> None:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
@@ -319,7 +318,7 @@ def init(model: nn.Module | None = None,
                               " guard; unset one of them")
         # checks the whole incident before touching anything
         collectives = Collectives()
-        observer = Replay.open(settings.replay, collectives.rank, collectives.world_size)
+        observer = Replay.open(settings, collectives.rank, collectives.world_size)
         settings = observer.forensic(settings)
     if settings.disable:
         return Guard(None, [], settings, on_stop)

@@ -19,6 +19,7 @@ from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
 from ..incident import RankPart, capture_incident, rng_snapshot
+from ..incident.rng import HOST
 from . import forensics
 from .buffers import Buffers
 from .decision import params
@@ -203,11 +204,11 @@ def model_to_save(roots: list) -> nn.Module | None:
 def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None
                 ) -> tuple[list, dict[str, Any]]:
     """The step's batches fed to ``model``'s root, and the RNG as it was when the step began
-    (numpy's read now: the forward, backward and optimizer step do not draw from it)."""
+    (python's and numpy's read now: the forward, backward and optimizer step do not draw from them)."""
     root = detector.slot_of(model) if model is not None and detector.owns(model) else None
     batches = [{"args": a, "kwargs": k} for slot, a, k in detector.log.batches if root is None or slot == root]
     now = rng_snapshot()
-    return batches, now if rng_at_start is None else {**rng_at_start, "numpy": now["numpy"]}
+    return batches, now if rng_at_start is None else {**rng_at_start, **{g: now[g] for g in HOST}}
 
 
 def settings_record(settings: Settings) -> dict[str, Any]:

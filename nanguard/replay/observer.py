@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -18,18 +19,19 @@ from ..config import Settings
 from ..errors import NanguardError, ReplayFinished
 from ..events import Event
 from ..incident import Incident, IncidentError
-from ..rank.modules import unwrap
-from .report import build_report, render
+from ..incident.fsio import write_json
+from ..rank.detector import skipped
+from ..rank.modules import is_wrapper, plain_names, type_name, unwrap
+from . import devices, layout, samples
+from .ops import OpWatch
+from .render import render
+from .report import build_report
+from .skipfile import SKIP, skip_record
 from .trace import Trace
 
 log = logging.getLogger("nanguard")
 
 _FORENSIC_DETAIL_MB = 2.0**20  # keep every checked tensor of the one replayed step
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def _check_model_state(model: nn.Module, state: dict[str, Any], path: str) -> None:
@@ -83,37 +85,41 @@ class StepObserver:
 
 
 class Replay(StepObserver):
-    """One rank's replay of an incident."""
+    """One rank's replay of an incident: ``layout.part`` is the incident's rank it replays."""
 
-    def __init__(self, incident: Incident, rank: int, world: int):
+    def __init__(self, incident: Incident, part: layout.Layout, rank: int, world: int, settings: Settings):
         self.incident = incident
-        self.rank = rank
+        self.layout = part
+        self.rank = part.part
+        self.process_rank = rank
         self.world = world
-        self.state = incident.rank_state(rank)
-        self.notes: list[str] = []
-        self.batches = incident.rank_batches(rank, self.notes)
-        self.rng = incident.rank_rng(rank)
+        self.settings = settings
+        self.device = devices.parse(settings.replay_device)
+        self.state = incident.rank_state(self.rank)
+        self.notes: list[str] = [part.note] if part.note else []
+        self.batches = incident.rank_batches(self.rank, self.notes)
+        self.rng = incident.rank_rng(self.rank)
         self._forwards = 0
-        self.trace = Trace(lambda: self._forwards - 1)
+        self.ops = OpWatch(lambda: self._forwards - 1) if settings.replay_ops else None
+        self.trace = Trace(lambda: self._forwards - 1, self.ops.paused if self.ops is not None else
+                           contextlib.nullcontext)
+        self._root: nn.Module | None = None
+        self._skipped: set[str] = set()
         self._model_loaded = False
         self._optimizers_loaded = False
         self._handles: list[Any] = []
         if not incident.manifest["capture_batch"]:
             self.notes.append("the batch was not captured (capture_batch=False): the replay used the"
                               " script's own first batch, so it says little about the data")
+        if self.ops is None:
+            self.notes.append("operations were not checked (replay_ops=False): the trace names modules only")
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str, rank: int, world: int) -> Replay:
-        """Reads and checks the incident (every file's sha256) and this rank's part of it."""
-        incident = capture.read_incident(path)
-        if world != incident.world_size:
-            how = ("python SCRIPT" if incident.world_size == 1 else
-                   f"torchrun with {incident.world_size} processes in all (for example "
-                   f"--nproc-per-node {incident.world_size})")
-            raise IncidentError(incident.path, f"was captured on {incident.world_size} rank(s) and this "
-                                               f"process is one of {world}; replay it with {how}")
-        return cls(incident, rank, world)
+    def open(cls, settings: Settings, rank: int, world: int) -> Replay:
+        """Reads and checks the incident (every file's sha256) and the part this process replays."""
+        incident = capture.read_incident(settings.replay)
+        return cls(incident, layout.choose(incident, rank, world, settings.replay_rank), rank, world, settings)
 
     def forensic(self, settings: Settings) -> Settings:
         """The guard's settings for the replayed step: keep everything, write nothing, stop."""
@@ -131,16 +137,19 @@ class Replay(StepObserver):
 
     # ------------------------------------------------------------------ loading
     def model_attached(self, root: nn.Module, param_names: dict[int, str]) -> None:
-        """Loads the captured weights into the model inside ``root``'s wrappers and hooks ``root``
-        for the replay; ``param_names``: qualified names by ``id(param)``, as reports use them."""
+        """Loads the captured weights into the model inside ``root``'s wrappers (and moves it to
+        NANGUARD_REPLAY_DEVICE) and hooks ``root`` for the replay; ``param_names``: qualified
+        names by ``id(param)``, as reports use them."""
         if self._model_loaded:
             return
         unwrapped = unwrap(root)
         _check_model_state(unwrapped, self.state["model"], self._state_path)
+        back = devices.move(root, self.device) if self.device is not None else None
         with torch.no_grad():
             unwrapped.load_state_dict(self.state["model"])
         self._model_loaded = True
-        self._install(root, param_names)
+        self._root = root
+        self._install(root, param_names, back)
 
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
@@ -181,6 +190,8 @@ class Replay(StepObserver):
             return args
         new_args, new_kwargs = new
         if floating_tensors(new_kwargs) or any(isinstance(v, torch.Tensor) for v in new_kwargs.values()):
+            if self.ops is not None:
+                self.ops.stop()  # the replay ends here: leave no mode behind
             raise NanguardError(
                 "NANGUARD_REPLAY: the captured batch passes tensors by keyword "
                 f"({', '.join(sorted(new_kwargs))}), which a bare nanguard.init() cannot put into the"
@@ -192,6 +203,12 @@ class Replay(StepObserver):
         self._forwards += 1
         if index == 0:
             self.notes.extend(capture.rng_restore(self.rng))
+        fed = self._batch(root, index)
+        if index == 0 and self.ops is not None:
+            self.ops.start()  # from the first forward to the decision: the step, and only it
+        return fed
+
+    def _batch(self, root: nn.Module, index: int) -> tuple[tuple, dict] | None:
         if self.batches is None:
             return None
         if index >= len(self.batches):
@@ -199,38 +216,70 @@ class Replay(StepObserver):
                 self.notes.append(f"the script ran more forwards of the model than the {len(self.batches)}"
                                   " captured in this step; the extra ones used the script's inputs")
             return None
-        batch = capture.to_device(self.batches[index], _device_of(root))
+        batch = capture.to_device(self.batches[index], devices.device_of(root))
         self.trace.bad_batch(batch, index)
         return tuple(batch["args"]), dict(batch["kwargs"])
 
-    def _install(self, root: nn.Module, param_names: dict[int, str]) -> None:
+    def _install(self, root: nn.Module, param_names: dict[int, str], back: torch.device | None) -> None:
         def feed(module, args, kwargs):
             return self._feed(module, args, kwargs)
 
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
         self._handles += self.trace.install(root, param_names)
+        self._skipped = _skipped_names(root, self.settings)
+        if self.ops is not None:
+            self._handles += self.ops.install(root, self._skipped)
+        if back is not None:
+            # last: every check sees the outputs where the model made them
+            self._handles.append(root.register_forward_hook(devices.outputs_to(back)))
+            self.notes.append(f"the model ran on {self.device} (NANGUARD_REPLAY_DEVICE); the script put it on"
+                              f" {back}, where its outputs were handed back: the script's own loss ran there")
 
     # ------------------------------------------------------------------ the verdict
     def decided(self, event: Event | None) -> NoReturn:
-        """Compare with the original, write replay.json (rank 0), print, and end the script."""
+        """Search the bad samples, compare with the original, write replay.json (process rank 0),
+        print, and end the script."""
+        notes = self.ops.stop() if self.ops is not None else []
         for handle in self._handles:
             handle.remove()
+        if self.layout.alone and event is not None:
+            event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
+        payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,
+                   "operations": self.ops.result() if self.ops is not None else None,
+                   "samples": self._search(),
+                   "device": devices.this_one(devices.device_of(self._root) if self._root is not None
+                                              else torch.device("cpu"))}
         collectives = Collectives()
-        traces = collectives.all_gather_object({"rank": self.rank, "trace": self.trace.records,
-                                                "notes": self.notes})
+        traces = collectives.all_gather_object(payload)
         report = path = None
-        if self.rank == 0:
-            report = build_report(self.incident, self.world, event, traces)
-            try:
-                path = capture.record_replay(self.incident.path, report)
-            except IncidentError as exc:
-                log.error("nanguard: replay report not saved: %s", exc)
-            print(render(report, path), flush=True)
+        if self.process_rank == 0:
+            report, path = self._report(event, traces)
         else:
             print(f"nanguard replay: rank {self.rank} done; rank 0 prints the report", flush=True)
         collectives.barrier()  # rank 0 has saved the report before any rank leaves
         raise ReplayFinished(report, path)
+
+    def _search(self) -> dict[str, Any]:
+        """The bad samples of this rank's batch, or why they were not searched."""
+        why = _not_searchable(self._root, self.batches, self.incident.manifest["sharded"], self.world)
+        if why is not None:
+            return {"searched": False, "why_not": why}
+        model = unwrap(self._root)
+        batches = [capture.to_device(b, devices.device_of(model)) for b in self.batches]
+        return samples.search(model, batches, self.rng, key=self.settings.sample_id_key, skipped=self._skipped)
+
+    def _report(self, event: Event | None, traces: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+        report = build_report(self.incident, self.world, event, traces, self.layout)
+        _skip_file(self.incident, report, self.settings.sample_id_key)
+        path = None
+        try:
+            path = capture.record_replay(self.incident.path, report)
+        except IncidentError as exc:
+            log.error("nanguard: replay report not saved: %s", exc)
+        print(render(report, path), flush=True)
+        return report, path
+
 
     def batch_given(self, root: nn.Module, batch: Any) -> None:
         """Fill the batch a trainer hands over with the captured micro-batch, in place (a trainer
@@ -247,3 +296,44 @@ class Replay(StepObserver):
         with torch.no_grad():
             for target, source in zip(given, captured):
                 target.copy_(source)
+
+
+def _skipped_names(root: nn.Module, settings: Settings) -> set[str]:
+    """Names of the modules whose outputs may be non-finite on purpose, and of their children."""
+    names = plain_names(root)
+    top = [name for module, name in names.items()
+           if skipped(module, name, settings.skip_types, settings.skip_modules)]
+    return {name for name in names.values() if any(name == s or name.startswith(s + ".") for s in top)}
+
+
+def _not_searchable(root: nn.Module | None, batches: list[Any] | None, sharded: str | None, world: int
+                    ) -> str | None:
+    if batches is None:
+        return "the batch was not captured (capture_batch=False)"
+    if sharded:
+        return f"the model is sharded ({sharded}): a part of the batch cannot run on one rank's shards alone"
+    if root is None:
+        return "no model with parameters was met in the replayed step"
+    model = unwrap(root)
+    if is_wrapper(model):
+        return f"the model is wrapped by {type_name(model)}, whose forward runs more than the model"
+    if world > 1 and any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules()):
+        return "SyncBatchNorm in train mode needs every rank in each forward; ranks cannot search alone"
+    return None
+
+
+def _skip_file(incident: Incident, report: dict[str, Any], key: str | None) -> None:
+    """Writes skip.json beside replay.json when bad samples with ids were found."""
+    record = skip_record(incident.name, incident.step, key, report["bad_samples"]) if key else None
+    if record is None:
+        if report["bad_samples"] and key is None:
+            report["notes"].append("no skip file: name the key of the model's input that holds sample ids"
+                                   " (NANGUARD_SAMPLE_ID_KEY, or init(..., sample_id_key=...)) and replay again")
+        return
+    path = os.path.join(incident.path, SKIP)
+    try:
+        write_json(path, record)
+    except OSError as exc:
+        report["notes"].append(f"the skip file was not written to {path} ({exc.strerror})")
+        return
+    report["skip_file"] = path

@@ -1,9 +1,9 @@
-"""A replay's verdict, its report (what replay.json holds) and the report as a few lines."""
+"""A replay's verdict and its report (what replay.json holds): the comparison with the original
+event, the operations, the bad samples and what the devices say."""
 
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import socket
 from typing import Any
@@ -13,12 +13,14 @@ import torch
 from ..errors import IncidentError
 from ..events import Event
 from ..incident import Incident
+from . import devices
+from .layout import Layout
 
 
-def build_report(incident: Incident, world: int, event: Event | None, traces: list[dict[str, Any]]
-                 ) -> dict[str, Any]:
+def build_report(incident: Incident, world: int, event: Event | None, traces: list[dict[str, Any]],
+                 layout: Layout) -> dict[str, Any]:
     """Compare the replay's first event with the original one: the verdict and what supports it.
-    ``traces``: every rank's {"rank", "trace", "notes"}."""
+    ``traces``: every rank's {"rank", "trace", "notes", "operations", "samples", "device"}."""
     original = incident.first_event
     same = {"kind": event is not None and event.kind == original.kind,
             "layer": event is not None and event.layer == original.layer,
@@ -26,83 +28,99 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     reproducible = all(same.values())
     notes = sorted({note for t in traces for note in t["notes"]})
     suspect = _suspect(incident, original)
-    devices = suspect["device"]
-    if not torch.cuda.is_available() and devices not in ("cpu", None):
-        notes.append(f"replayed on the CPU: the original ran on {devices}; GPU kernels do not give"
+    if not torch.cuda.is_available() and suspect["device"] not in ("cpu", None):
+        notes.append(f"replayed on the CPU: the original ran on {suspect['device']}; GPU kernels do not give"
                      " bit-identical results, so a fault of a GPU kernel may not show here")
-    where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
-    if reproducible:
-        message = (f"the same {where} happened again with the captured weights, batch and random"
-                   " state: a deterministic bug in the model, the data or the code (see the trace)")
-    elif event is None:
-        message = (f"the step ran clean with the captured weights, batch and random state, so the "
-                   f"original {where} did not recur: suspect a transient fault of the hardware that ran"
-                   f" it (host {suspect['host']}, device {devices}, rank {original.rank}), or"
-                   " non-determinism (atomics in kernels, inputs from outside the captured batch)")
-    else:
-        message = (f"the replay found a different first event ({event}) than the original {where}:"
-                   f" suspect non-determinism or the hardware of host {suspect['host']}"
-                   f" (device {devices}, rank {original.rank})")
+    other_rank = layout.alone and layout.part != original.rank
     return {
         "verdict": "reproducible" if reproducible else "not_reproducible",
-        "message": message,
+        "message": _message(original, event, reproducible, suspect, layout),
         "incident": incident.name,
         "step": incident.step,
         "world_size": world,
         "original_event": original.to_dict(),
         "first_event": event.to_dict() if event is not None else None,
         "same": same,
-        "suspects": [] if reproducible else [suspect],
+        "suspects": [] if reproducible or other_rank else [suspect],
         "trace": {str(t["rank"]): t["trace"] for t in traces},
         "notes": notes,
+        "layout": {"incident_world_size": incident.world_size, "replayed_ranks": [t["rank"] for t in traces],
+                   "alone": layout.alone},
+        "operations": {str(t["rank"]): t["operations"] for t in traces},
+        "samples": {str(t["rank"]): t["samples"] for t in traces},
+        "bad_samples": bad_samples(traces),
+        "skip_file": None,
+        "devices": _devices(incident, original, event, traces, reproducible),
         "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
                      "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                      and torch.cuda.is_initialized() else "cpu",
-                     "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+                     "time": _now()},
     }
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _message(original: Event, event: Event | None, reproducible: bool, suspect: dict[str, Any],
+             layout: Layout) -> str:
+    where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
+    if reproducible:
+        return (f"the same {where} happened again with the captured weights, batch and random"
+                " state: a deterministic bug in the model, the data or the code (see the trace)")
+    if layout.alone and layout.part != original.rank:
+        return (f"rank {layout.part} was replayed alone and the original {where} came from rank"
+                f" {original.rank}: this replay cannot reproduce it and says nothing of rank"
+                f" {original.rank}'s hardware (NANGUARD_REPLAY_RANK={original.rank} replays that rank)")
+    if event is None:
+        return (f"the step ran clean with the captured weights, batch and random state, so the "
+                f"original {where} did not recur: suspect a transient fault of the hardware that ran"
+                f" it (host {suspect['host']}, device {suspect['device']}, rank {original.rank}), or"
+                " non-determinism (atomics in kernels, inputs from outside the captured batch)")
+    return (f"the replay found a different first event ({event}) than the original {where}:"
+            f" suspect non-determinism or the hardware of host {suspect['host']}"
+            f" (device {suspect['device']}, rank {original.rank})")
+
+
 def _suspect(incident: Incident, original: Event) -> dict[str, Any]:
+    record = devices.original(incident, original.rank, original)
+    return {"rank": original.rank, "host": record["host"],
+            "device": record["name"] if record["device"] != "cpu" else "cpu"}
+
+
+def _devices(incident: Incident, original: Event, event: Event | None, traces: list[dict[str, Any]],
+             reproducible: bool) -> dict[str, Any]:
+    """The original device against this replay's (and earlier replays') for the rank that saw it."""
+    mine = next((t["device"] for t in traces if t["rank"] == original.rank), None)
+    if mine is None:
+        return {"finding": "not_compared", "replayed": None,
+                "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
     try:
-        env = incident.environment(original.rank)
+        earlier = devices.earlier_runs(incident.replay_report())
     except IncidentError:
-        env = {}
-    devices = env.get("devices") or []
-    current = env.get("current_device")
-    device = (devices[current] if isinstance(current, int) and 0 <= current < len(devices)
-              else (", ".join(devices) if devices else "cpu"))
-    return {"rank": original.rank, "host": env.get("host") or original.host or "?", "device": device}
+        earlier = []
+    run = {**mine, "rank": original.rank, "bad": event is not None, "reproducible": reproducible,
+           "time": _now()}
+    return devices.compare(devices.original(incident, original.rank, original), earlier + [run],
+                           _near_limit(original))
 
 
-def render(report: dict[str, Any], path: str | None) -> str:
-    """The report as a few readable lines."""
-    lines = [f"nanguard replay of {report['incident']} (step {report['step']}): {report['verdict']}",
-             f"  {report['message']}",
-             f"  original: {Event.from_dict(report['original_event'])}"]
-    if report["first_event"] is not None:
-        lines.append(f"  replayed: {Event.from_dict(report['first_event'])}")
-    lines += ["  " + line for line in trace_lines(report)]
-    lines += [f"  note: {note}" for note in report["notes"]]
-    if path is not None:
-        lines.append(f"  saved to {path}; `nanguard inspect {os.path.dirname(path)}` shows it")
-    return "\n".join(lines)
+def _near_limit(event: Event) -> bool:
+    """Whether the original bad tensor's finite values came within 1e3 of its dtype's limit."""
+    dtype = getattr(torch, event.dtype or "", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return False
+    extreme = max(abs(v) for v in (event.finite_min or 0.0, event.finite_max or 0.0))
+    return extreme >= torch.finfo(dtype).max / 1e3
 
 
-def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
-    """The first bad values the replay's synchronous trace met, per rank, forward then backward."""
-    lines = []
-    for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
-        for entry in trace["forward"][:per_rank]:
-            role = "producer" if entry["inputs_finite"] else "propagator"
-            lines.append(f"rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
-                         f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
-        for entry in trace["gradients"][:per_rank]:
-            lines.append(f"rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
-    return lines
-
-
-def _stats(d: dict[str, Any]) -> str:
-    return (f"{d.get('bad_count')} bad of shape {d.get('shape')}, first at {d.get('first_index')}"
-            f" = {d.get('first_value')}")
-
+def bad_samples(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every bad sample found, across ranks and micro-batches: {"rank", "micro_batch", "index", "id"}."""
+    found = []
+    for t in traces:
+        for entry in (t.get("samples") or {}).get("micro_batches", []):
+            ids = entry.get("ids")
+            found += [{"rank": t["rank"], "micro_batch": entry["micro_batch"], "index": index,
+                       "id": ids[i] if ids else None} for i, index in enumerate(entry["bad"])]
+    return found

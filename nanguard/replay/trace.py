@@ -4,6 +4,7 @@ runs one step)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,17 +14,21 @@ from torch import nn
 from .._tree import floating_tensors
 from ..rank import forensics
 from ..rank.modules import plain_names
+from .ops import all_finite
 
 _TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 
 
 class Trace:
     """The first bad values of the step, forward and backward. ``micro_batch()`` says which
-    forward of the model is running."""
+    forward of the model is running; ``quiet()`` is the context its own checks run in (so that
+    the operation check does not judge them)."""
 
-    def __init__(self, micro_batch: Callable[[], int]):
+    def __init__(self, micro_batch: Callable[[], int],
+                 quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.records: dict[str, list[dict[str, Any]]] = {"forward": [], "gradients": []}
         self.micro_batch = micro_batch
+        self.quiet = quiet
 
     def install(self, root: nn.Module, param_names: dict[int, str]) -> list[Any]:
         """Hook every module of ``root`` and every trainable parameter; returns the handles."""
@@ -46,21 +51,23 @@ class Trace:
 
     def bad_batch(self, batch: Any, index: int) -> None:
         """Note a captured micro-batch that is itself non-finite."""
-        bad = next((t for t in floating_tensors(batch) if not forensics.is_finite(t)), None)
-        if bad is not None:
-            self.record("forward", {"module": "<the captured batch>", "module_type": "input",
-                                    "micro_batch": index, "inputs_finite": False,
-                                    "output": forensics.describe(bad)})
+        with self.quiet():
+            bad = next((t for t in floating_tensors(batch) if not all_finite(t)), None)
+            if bad is not None:
+                self.record("forward", {"module": "<the captured batch>", "module_type": "input",
+                                        "micro_batch": index, "inputs_finite": False,
+                                        "output": forensics.describe(bad)})
 
     def _forward_hook(self, name: str):
         def hook(module, args, output):
             outputs = floating_tensors(output)
-            bad = next((t for t in outputs if not forensics.is_finite(t)), None)
-            if bad is not None:
-                self.record("forward", {
-                    "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(),
-                    "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors(args)),
-                    "output": forensics.describe(bad)})
+            with self.quiet():
+                bad = next((t for t in outputs if not all_finite(t)), None)
+                if bad is not None and len(self.records["forward"]) < _TRACE_LIMIT:
+                    self.record("forward", {
+                        "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(),
+                        "inputs_finite": all(all_finite(t) for t in floating_tensors(args)),
+                        "output": forensics.describe(bad)})
             if torch.is_grad_enabled():
                 for tensor in outputs:
                     if tensor.requires_grad:
@@ -71,17 +78,21 @@ class Trace:
 
     def _grad_hook(self, name: str):
         def hook(grad):
-            if not forensics.is_finite(grad):
-                self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
-                                          "micro_batch": self.micro_batch(), **forensics.describe(grad)})
+            with self.quiet():
+                if len(self.records["gradients"]) < _TRACE_LIMIT and not all_finite(grad):
+                    self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
+                                              "micro_batch": self.micro_batch(), **forensics.describe(grad)})
             return None
 
         return hook
 
     def _param_hook(self, name: str):
         def hook(param):
-            if param.grad is not None and not forensics.is_finite(param.grad):
-                self.record("gradients", {"gradient_of": f"parameter {name}",
-                                          "micro_batch": self.micro_batch(), **forensics.describe(param.grad)})
+            with self.quiet():
+                if (len(self.records["gradients"]) < _TRACE_LIMIT and param.grad is not None
+                        and not all_finite(param.grad)):
+                    self.record("gradients", {"gradient_of": f"parameter {name}",
+                                              "micro_batch": self.micro_batch(),
+                                              **forensics.describe(param.grad)})
 
         return hook

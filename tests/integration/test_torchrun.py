@@ -258,6 +258,30 @@ def test_two_rank_replay_of_a_bad_batch_is_reproducible(torchrun):
     assert report["verdict"] == "reproducible", report["message"]
     assert report["first_event"]["rank"] == 1 and report["first_event"]["step"] == 5
     assert report["first_event"]["layer"] == event["layer"]
+    # each rank searched its own batch: rank 1's sample 0 holds the NaN, rank 0's batch is clean
+    assert sorted(report["samples"]) == ["0", "1"]
+    assert report["samples"]["0"]["micro_batches"][0]["outcome"] == "clean"
+    assert report["bad_samples"] == [{"rank": 1, "micro_batch": 0, "index": 0, "id": None}]
+    assert report["layout"] == {"incident_world_size": 2, "replayed_ranks": [0, 1], "alone": False}
+
+
+@pytest.mark.timeout(300)
+def test_one_process_replays_one_rank_of_a_two_rank_incident(torchrun):
+    """An incident of 2 DDP ranks replayed by one process (a 1-GPU workstation): rank 1's part,
+    the first event's, alone."""
+    from nanguard import incident as capture
+
+    job, event = ddp_fault_on_rank_1(torchrun, "input")
+    incident = job.results()[0]["error"]["incident"]
+    alone = torchrun.standalone("ddp_train.py", "--steps", "8", nproc=1, env={"NANGUARD_REPLAY": incident})
+    assert alone.returncodes == [0], alone.output[-6000:]
+    report = capture.read_incident(incident).replay_report()
+    assert report["layout"] == {"incident_world_size": 2, "replayed_ranks": [1], "alone": True}
+    assert report["verdict"] == "reproducible", report["message"]
+    assert report["first_event"]["rank"] == 1 and report["first_event"]["layer"] == event["layer"]
+    assert any("rank 1's part was replayed alone" in note for note in report["notes"])
+    assert report["bad_samples"] == [{"rank": 1, "micro_batch": 0, "index": 0, "id": None}]
+    assert "nanguard replay of" in alone.output and "reproducible" in alone.output
 
 
 @pytest.mark.timeout(300)
@@ -270,6 +294,9 @@ def test_two_rank_replay_of_a_one_off_fault_is_not_reproducible(torchrun):
     assert report["verdict"] == "not_reproducible"
     assert report["first_event"] is None
     assert report["suspects"] == [{"rank": 1, "host": event["host"], "device": "cpu"}]
+    # replayed where it ran (rank 1's CPU on this host), and clean there: no device comparison to make
+    assert report["devices"]["same_device"] is True and report["devices"]["finding"] == "undecided"
+    assert all(not ops["forward"] and not ops["backward"] for ops in report["operations"].values())
 
 
 @pytest.mark.timeout(300)

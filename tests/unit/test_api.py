@@ -17,6 +17,7 @@ def test_public_names_are_locked():
     assert nanguard.__all__ == [
         "ConfigError", "Event", "Guard", "GuardClosedError", "NanguardError", "NonFiniteError",
         "ProtocolError", "ReplayFinished", "StopRequested", "destroy_process_group", "init",
+        "skip_list",
     ]
     assert issubclass(nanguard.NonFiniteError, RuntimeError)
     assert issubclass(nanguard.StopRequested, RuntimeError)

@@ -63,9 +63,10 @@ def test_no_recorder_no_file(tmp_path):
 def test_memory_is_fixed_and_nan_norms_rank_first():
     recorder = FlightRecorder(3)
     params = [torch.zeros(1), torch.zeros(1)]
+    names = {id(params[0]): "a", id(params[1]): "b"}
     for step in range(10):
         recorder.record(step, loss=1.0, grad_norm=2.0, scale=None, lr=None, step_time_s=0.1,
-                        norms=[1.0, math.nan if step == 9 else 0.5], params=params, name=lambda p: f"p{id(p) % 7}")
+                        norms=[1.0, math.nan if step == 9 else 0.5], params=params, name=lambda p: names[id(p)])
     data = recorder.to_dict()
     assert len(recorder) == 3 and [row[0] for row in data["rows"]] == [7, 8, 9]
     last = data["top_params"][-1]["params"]

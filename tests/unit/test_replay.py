@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ from torch import nn
 
 import nanguard
 from nanguard.incident import IncidentError, read_incident
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class Sqrt(nn.Module):
@@ -258,7 +261,8 @@ print("loop ended")
 def test_bare_init_script_replays_in_a_subprocess(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin"}
+    # this checkout's nanguard, not whichever one the interpreter has installed
+    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     first = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                            timeout=120)
     assert first.returncode != 0 and "NonFiniteError" in first.stderr

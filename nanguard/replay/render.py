@@ -1,0 +1,133 @@
+"""A replay report as readable lines: printed at the end of a replay, and by ``nanguard inspect``.
+
+A report read back from disk may come from another nanguard version: callers that read one
+(``nanguard inspect``) catch the KeyError, TypeError, ValueError or AttributeError of a report
+that does not have the shape these functions expect.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..events import Event
+from .frames import where
+
+
+def render(report: dict[str, Any], path: str | None) -> str:
+    """The report as a few readable lines."""
+    lines = [f"nanguard replay of {report['incident']} (step {report['step']}): {report['verdict']}",
+             f"  {report['message']}",
+             f"  original: {Event.from_dict(report['original_event'])}"]
+    if report["first_event"] is not None:
+        lines.append(f"  replayed: {Event.from_dict(report['first_event'])}")
+    lines += ["  " + line for line in trace_lines(report)]
+    lines += [f"  {label}: {text}" for label, text in detail_lines(report)]
+    lines += [f"  note: {note}" for note in report["notes"]]
+    if path is not None:
+        lines.append(f"  saved to {path}; `nanguard inspect {os.path.dirname(path)}` shows it")
+    return "\n".join(lines)
+
+
+def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
+    """The first bad values the replay's synchronous trace met, per rank, forward then backward."""
+    lines = []
+    for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
+        for entry in trace["forward"][:per_rank]:
+            role = "producer" if entry["inputs_finite"] else "propagator"
+            lines.append(f"rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
+                         f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
+        for entry in trace["gradients"][:per_rank]:
+            lines.append(f"rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
+    return lines
+
+
+def _stats(d: dict[str, Any]) -> str:
+    return (f"{d.get('bad_count')} bad of shape {d.get('shape')}, first at {d.get('first_index')}"
+            f" = {d.get('first_value')}")
+
+
+def detail_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) lines for the operations, the bad samples, the devices and the layout; none
+    for what a report (of an older nanguard) does not have."""
+    lines: list[tuple[str, str]] = []
+    for rank, ops in _by_rank(report.get("operations")):
+        if ops is None:
+            continue
+        for phase in ("forward", "backward"):
+            lines += [("operation", f"rank {rank} {phase}: {operation(op)}") for op in ops[phase][:1]]
+        if not ops["forward"] and not ops["backward"]:
+            lines.append(("operation", f"rank {rank}: none of the {ops['operations_checked']} operations"
+                                       " checked made a non-finite value from finite inputs"))
+    for rank, samples in _by_rank(report.get("samples")):
+        lines += [("samples", f"rank {rank}, {text}") for text in sample_lines(samples)]
+    if report.get("skip_file"):
+        lines.append(("skip file", f"{report['skip_file']} (nanguard.skip_list reads it)"))
+    found = report.get("devices")
+    if isinstance(found, dict) and found.get("message"):
+        lines.append(("device", found["message"]))
+    return lines
+
+
+def _by_rank(section: Any) -> list[tuple[str, Any]]:
+    if not isinstance(section, dict):
+        return []
+    return sorted(section.items(), key=lambda kv: int(kv[0]))
+
+
+def operation(op: dict[str, Any]) -> str:
+    """``aten::log in module 2 (LogM) at model.py:10 in forward: return torch.log(h); input min -0.5``."""
+    module = f"module {op['module'] or '<root>'} ({op['module_type']})" if op.get("module_type") \
+        else "code outside the model's modules"
+    text = f"{op['op']} in {module}, micro-batch {op['micro_batch']}"
+    if op["phase"] == "backward":
+        text += f", backward node {op['node']}"
+        if op.get("custom_backward"):
+            text += f" (custom backward at {where(op.get('source'))})"
+        if op.get("forward_source"):
+            text += f", made in the forward at {where(op['forward_source'])}"
+    else:
+        text += f", at {where(op.get('source'))}"
+    out = op["output"]
+    return f"{text}; {op['why']}; output {out.get('bad_count')} non-finite of {out.get('numel')}"
+
+
+def sample_lines(samples: dict[str, Any]) -> list[str]:
+    """What the sample search found on one rank."""
+    if not samples.get("searched"):
+        return [f"not searched: {samples.get('why_not')}"]
+    lines = []
+    for entry in samples["micro_batches"]:
+        lines.append(f"micro-batch {entry['micro_batch']}: {_micro_batch(entry)}")
+        lines += [f"micro-batch {entry['micro_batch']}, {_samples(g['from'], g['to'])} unresolved: {g['why']}"
+                  for g in entry["unresolved"]]
+    lines += [f"mixing: {note}" for note in samples.get("mixing", [])]
+    lines.append(f"search: {samples['runs']} run(s) of the model (cap {samples['max_runs']})"
+                 + (": the cap was reached, the search is incomplete" if samples["capped"] else ""))
+    return lines
+
+
+def _samples(start: int, stop: int) -> str:
+    return f"sample {start}" if stop - start == 1 else f"samples {start}-{stop - 1}"
+
+
+def _micro_batch(entry: dict[str, Any]) -> str:
+    outcome = entry["outcome"]
+    if outcome in ("clean", "capped", "error", None):
+        return {"clean": "clean when run again alone (every module's output, and the parameters' gradients"
+                         " of a backward of ones into the model's outputs)",
+                "capped": "not run: the cap of runs was reached"}.get(outcome, entry.get("note") or "not run")
+    bad = entry["bad"]
+    text = f"bad in {outcome} when run again alone (checked: {entry['checked']})"
+    if bad:
+        shown = ", ".join(map(str, bad[:16])) + (" ..." if len(bad) > 16 else "")
+        text += f"; {len(bad)} of {entry['size']} samples are bad alone: {shown}"
+        if entry.get("ids"):
+            text += f" (ids {', '.join(map(str, entry['ids'][:16]))})"
+        if len(bad) == entry["size"]:
+            text += " (every sample: the fault is not in particular samples)"
+    if entry.get("rest_clean") is not None:
+        text += "; the rest runs clean" if entry["rest_clean"] else "; the rest is still bad together"
+    if entry.get("note"):
+        text += f"; {entry['note']}"
+    return text

@@ -1,0 +1,214 @@
+"""Replay, item 2: which samples of the captured batch make the step non-finite (bisection
+within a cap), their ids, the skip file, and what the search must leave untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard.errors import IncidentError
+from nanguard.incident.report import main as inspect_main
+from nanguard.replay import samples
+from replay_script import replay, run
+
+POISONED = (17, 50)
+
+
+class RootOfFirst(nn.Module):
+    """Scales each sample by sqrt of its first feature plus 10: NaN for a sample whose first
+    feature is below -10, and for that sample only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.lin(x) * torch.sqrt(x[:, :1] + 10.0)
+
+
+class DictModel(nn.Module):
+    """Called with the loader's batch, a dict that carries the samples' ids under "index"."""
+
+    def __init__(self, norm: bool = False):
+        super().__init__()
+        self.body = RootOfFirst()
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, batch):
+        return self.head(self.norm(self.body(batch["x"])))
+
+
+def poisoned(step: int, size: int = 64, bad=POISONED, at: int = 3):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(size, 8, generator=gen)
+    if step == at:
+        for i in bad:
+            x[i, 0] = -100.0
+    index = torch.arange(size) + 1000 * step  # the dataset's indices of the samples
+    return {"x": x, "index": index}, torch.randint(0, 4, (size,), generator=gen)
+
+
+def test_two_poisoned_samples_of_64(monkeypatch, capsys):
+    err = run(DictModel, poisoned, init_kwargs={"sample_id_key": "index"})
+    assert err is not None and err.event.step == 3
+    report = replay(monkeypatch, err.incident, DictModel, poisoned, init_kwargs={"sample_id_key": "index"})
+    found = report["samples"]["0"]
+    assert found["searched"] and not found["capped"] and found["runs"] <= 30
+    (entry,) = found["micro_batches"]
+    assert entry["outcome"] == "forward" and entry["checked"] == "every module's output"
+    assert entry["bad"] == list(POISONED) and entry["unresolved"] == []
+    assert entry["ids"] == [3017, 3050] and entry["rest_clean"] is True
+    assert found["mixing"] == []
+    assert report["bad_samples"] == [{"rank": 0, "micro_batch": 0, "index": i, "id": 3000 + i} for i in POISONED]
+    # the skip file, for the sampler on resume
+    assert report["skip_file"] == os.path.join(err.incident, "skip.json")
+    assert nanguard.skip_list(err.incident) == {3017, 3050}
+    assert nanguard.skip_list(report["skip_file"], err.incident) == {3017, 3050}
+    out = capsys.readouterr().out
+    assert "2 of 64 samples are bad alone: 17, 50 (ids 3017, 3050); the rest runs clean" in out
+    assert inspect_main([err.incident]) == 0
+    text = capsys.readouterr().out
+    assert "samples      rank 0, micro-batch 0: bad in forward" in text and "skip file" in text
+
+
+def test_ids_named_by_the_environment_and_a_missing_key(monkeypatch):
+    err = run(DictModel, poisoned)
+    report = replay(monkeypatch, err.incident, DictModel, poisoned, env={"NANGUARD_SAMPLE_ID_KEY": "index"})
+    assert report["samples"]["0"]["micro_batches"][0]["ids"] == [3017, 3050]
+    report = replay(monkeypatch, err.incident, DictModel, poisoned, env={"NANGUARD_SAMPLE_ID_KEY": "sample"})
+    entry = report["samples"]["0"]["micro_batches"][0]
+    assert entry["bad"] == list(POISONED) and entry["ids"] is None
+    assert "has no 'sample'" in entry["note"]
+    assert report["skip_file"] is None
+    # the earlier replay's skip.json is still there; without a key there would be none
+    report = replay(monkeypatch, err.incident, DictModel, poisoned)
+    assert any("no skip file: name the key" in note for note in report["notes"])
+
+
+def test_the_search_leaves_model_optimizer_and_rng_as_they_were(monkeypatch):
+    err = run(lambda: DictModel(norm=True), poisoned)
+    seen = {}
+    real = samples.search
+
+    def watched(model, batches, rng, **kwargs):
+        before = (_state(model), torch.get_rng_state(), [p.grad for p in model.parameters()])
+        result = real(model, batches, rng, **kwargs)
+        seen.update(before=before, after=(_state(model), torch.get_rng_state(),
+                                          [p.grad for p in model.parameters()]))
+        return result
+
+    monkeypatch.setattr(samples, "search", watched)
+    keep: dict = {}
+    report = replay(monkeypatch, err.incident, lambda: DictModel(norm=True), poisoned, keep=keep)
+    (state_before, rng_before, grads_before), (state_after, rng_after, grads_after) = seen["before"], seen["after"]
+    assert state_before.keys() == state_after.keys()
+    # BatchNorm's statistics too (NaN since the replayed step's forward met the bad samples)
+    assert all(_same(state_before[k], state_after[k]) for k in state_before)
+    assert torch.equal(rng_before, rng_after)
+    assert all(a is b for a, b in zip(grads_before, grads_after))  # no .grad written
+    assert keep["optimizer"].state_dict()["state"] == {}  # never stepped
+    # BatchNorm mixes the samples: said, and what it means for the answer
+    (mixing,) = report["samples"]["0"]["mixing"]
+    assert "BatchNorm" in mixing and "norm" in mixing and "statistics" in mixing
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_batchnorm_on_one_sample_cannot_run_and_says_so(monkeypatch):
+    err = run(lambda: DictModel(norm=True), lambda s: poisoned(s, size=8, bad=(5,)))
+    report = replay(monkeypatch, err.incident, lambda: DictModel(norm=True), lambda s: poisoned(s, size=8, bad=(5,)))
+    entry = report["samples"]["0"]["micro_batches"][0]
+    assert entry["bad"] == []  # never claimed without running a sample alone
+    groups = entry["unresolved"]
+    assert groups and all("could not run alone: ValueError" in g["why"] for g in groups)
+    assert any(g["from"] <= 5 < g["to"] for g in groups)
+
+
+class SumsTheBatch(nn.Module):
+    """Adds the whole batch into each sample: two huge samples overflow only together."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x) + x.sum(0, keepdim=True)[:, :4]
+
+
+def together(step: int):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 8, generator=gen)
+    if step == 1:
+        x[2, 0] = x[12, 0] = 2e38  # finite alone, inf when added
+    return x, torch.randint(0, 4, (16,), generator=gen)
+
+
+def test_samples_bad_only_together(monkeypatch):
+    err = run(SumsTheBatch, together)
+    assert err is not None and err.event.step == 1
+    report = replay(monkeypatch, err.incident, SumsTheBatch, together)
+    entry = report["samples"]["0"]["micro_batches"][0]
+    assert entry["bad"] == []
+    assert entry["unresolved"] == [{"from": 0, "to": 16, "why": entry["unresolved"][0]["why"]}]
+    assert entry["unresolved"][0]["why"].startswith("bad only together")
+
+
+@pytest.mark.parametrize("bad", [(100, 3001), tuple(range(4096))], ids=["two", "all"])
+def test_a_batch_of_4096_is_searched_within_the_cap(bad):
+    model = RootOfFirst()
+    x = torch.randn(4096, 8)
+    x[list(bad), 0] = -100.0
+    batch = {"args": (x,), "kwargs": {}}
+    found = samples.search(model, [batch], {"python": __import__("random").getstate(), "numpy": None,
+                                            "torch": torch.get_rng_state(), "cuda": []},
+                           key=None, skipped=set())
+    assert found["runs"] <= samples.MAX_RUNS
+    (entry,) = found["micro_batches"]
+    if len(bad) == 2:
+        assert entry["bad"] == list(bad) and not found["capped"] and entry["rest_clean"] is True
+    else:
+        assert found["capped"] and entry["unresolved"]
+        assert all("cap of 64 runs" in g["why"] for g in entry["unresolved"])
+        assert len(entry["bad"]) < 64  # what was found alone, nothing more
+
+
+def test_skip_list_refuses_what_it_cannot_trust(tmp_path):
+    (tmp_path / "incident").mkdir()
+    good = tmp_path / "skip.json"
+    good.write_text(json.dumps({"format": "nanguard-skip", "version": 1, "ids": [1, "a"]}))
+    assert nanguard.skip_list(good) == {1, "a"}
+    for bad in ({"format": "other"}, {"format": "nanguard-skip", "version": 2, "ids": []},
+                {"format": "nanguard-skip", "version": 1, "ids": [True]}, [1, 2]):
+        good.write_text(json.dumps(bad))
+        with pytest.raises(IncidentError, match="is not a skip file nanguard wrote"):
+            nanguard.skip_list(good)
+    good.write_text("{")
+    with pytest.raises(IncidentError, match="could not be read as a skip file"):
+        nanguard.skip_list(good)
+    with pytest.raises(IncidentError, match="NANGUARD_SAMPLE_ID_KEY"):
+        nanguard.skip_list(tmp_path / "incident")  # a folder without skip.json
+    with pytest.raises(TypeError):
+        nanguard.skip_list()
+
+
+def test_ids_are_found_in_keywords_fields_and_lists():
+    batch = {"args": (), "kwargs": {"x": torch.zeros(3, 2), "sample_id": ["a", "b", "c"]}}
+    assert samples.sample_ids(batch, "sample_id", 3) == (["a", "b", "c"], None)
+    assert samples.sample_ids({"args": ({"inner": {"idx": torch.tensor([4, 5, 6])}},), "kwargs": {}}, "idx", 3)[0] == [4, 5, 6]
+    ids, why = samples.sample_ids({"args": ({"idx": torch.zeros(2, 3)},), "kwargs": {}}, "idx", 3)
+    assert ids is None and "one id per sample" in why
+    whole = {"args": (torch.zeros(4, 2), torch.ones(7)), "kwargs": {"mask": torch.ones(4, 4)}}
+    half = samples.part(whole, [1, 3], 4)
+    assert half["args"][0].shape == (2, 2) and half["args"][1].shape == (7,) and half["kwargs"]["mask"].shape == (2, 4)
