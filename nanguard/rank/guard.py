@@ -162,8 +162,9 @@ class Guard:
         """Go on from a checkpoint's ``state_dict()`` (or a trainer's {"step": global_step})."""
         resume.load_state_dict(state, self._clock, self._respond)
 
-    def close(self) -> None:
-        """Remove every hook this guard installed. Idempotent."""
+    def close(self, clean: bool = True) -> None:
+        """Remove every hook this guard installed. Idempotent. ``clean=False``: the process ends by
+        an error, and the coordinator counts this rank as failed rather than finished."""
         if self._closed:
             return
         self._closed = True
@@ -174,14 +175,14 @@ class Guard:
             undo()
         self._undo.clear()
         self._detector.detach()
-        self._reporter.close()
+        self._reporter.close(clean)
         REGISTRY.release(self)
 
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc_info) -> None:
+        self.close(clean=exc_type is None)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("disabled" if self.settings.disable else "open")

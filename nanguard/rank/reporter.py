@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 
 import torch
 
@@ -45,8 +46,8 @@ class Reporter:
         """(reason, origin) of the stop command that arrived, or None; forgets it."""
         return None
 
-    def close(self) -> None:
-        """Send what is queued (bounded time) and stop."""
+    def close(self, clean: bool = True) -> None:
+        """Send what is queued (bounded time) and stop; ``clean=False``: the process ends by an error."""
 
 
 def connect(settings: Settings, identity: RankInfo, group: Collectives) -> Reporter:
@@ -73,10 +74,10 @@ class CoordinatorReporter(Reporter):
                  "version": __version__}
         self._client = Client(settings.coordinator, token=settings.token, identity=hello,
                               queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
-                              on_stop=self._on_stop)
+                              on_stop=self._on_stop, curve_public_key=settings.curve_public_key)
         self._client.start()
         # a script that ends with an exception still sends what is queued (its stop, its events)
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     def _on_stop(self, command_id: str, reason: str, origin: str) -> None:
         # on the client's thread: one assignment, read at the next decision
@@ -102,6 +103,11 @@ class CoordinatorReporter(Reporter):
         stop, self._stop = self._stop, None
         return stop
 
-    def close(self) -> None:
-        atexit.unregister(self.close)
-        self._client.close(timeout_s=2.0)
+    def close(self, clean: bool = True) -> None:
+        atexit.unregister(self._close_at_exit)
+        self._client.close(timeout_s=2.0, clean=clean)
+
+    def _close_at_exit(self) -> None:
+        # the interpreter keeps an uncaught exception in sys.last_value (last_exc from 3.12) before
+        # it runs atexit: such a process ended by an error, and its rank is failed, not finished
+        self.close(clean=getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None)

@@ -6,10 +6,14 @@ late, or never comes; the coordinator's /metrics is read through Prometheus' tex
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from nanguard.coordinator.control import request
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +49,7 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
                               "--fault-step", "5", "--steps", "8",
                               env={"NANGUARD_COORDINATOR": coordinator.address})
-    results = stopped_at(job, 5)
+    stopped_at(job, 5)
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") == 1
     assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
     assert coordinator.wait_for("nanguard_incidents_total") == 1
@@ -205,3 +209,39 @@ def test_two_nodes_report_to_one_coordinator(torchrun, coordinator):
     faulty = next(rank for rank, r in results.items() if r["faulty"])
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank=str(faulty)) == 1
     assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
+
+
+GUARDED_SCRIPT = """
+import sys
+import torch
+import nanguard
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+guard = nanguard.init(model, opt)
+for step in range(3):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script's own error")
+if sys.argv[1] == "with":
+    with guard:
+        raise KeyError("inside the guard's with block")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending, finished", [("return", True), ("raise", False), ("with", False)])
+def test_a_rank_that_ends_by_an_error_is_failed_not_finished(coordinator, tmp_path, ending, finished):
+    """The goodbye says how the process ended: a script that returns is finished; one ended by an
+    uncaught exception (at exit, or leaving ``with guard`` by it) is failed at once."""
+    coordinator.start()
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), ending], capture_output=True, text=True, timeout=90,
+                          env=coordinator.env(NANGUARD_COORDINATOR=coordinator.address))
+    assert (done.returncode == 0) == finished, done.stderr[-3000:]
+    row = request(coordinator.address, None, "status_request", {}, timeout_s=20).body["ranks"][0]
+    assert (row["finished"], row["failed"], row["alive"]) == (finished, not finished, False), row
+    assert coordinator.value("nanguard_ranks_failed") == (0 if finished else 1)
+    assert coordinator.value("nanguard_ranks_finished") == (1 if finished else 0)

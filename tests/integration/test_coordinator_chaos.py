@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from nanguard.coordinator.control import request
+from nanguard.protocol import STOP_KINDS
 from nanguard.wire import Codec
 
 from conftest import CoordinatorProcess, free_port
@@ -286,3 +287,57 @@ def test_intruders_and_replayed_requests_are_refused_and_the_real_stop_still_arr
             sock.close(linger=0)
         context.term()
         other.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_leaves_no_rank_reported_finished(torchrun, coordinator, tmp_path):
+    """Rank 1 is SIGKILLed mid-run; rank 0 then fails in its next collective (or torchrun tears it
+    down). Neither ends "finished": rank 0's goodbye says its process ended by an error."""
+    coordinator.start(env=SECRETS)
+    job = torchrun.spawn("ddp_train.py", "--steps", "3000", "--step-sleep", "0.05", "--fault", "kill",
+                         "--fault-rank", "1", "--fault-step", "40", "--progress-file", str(progress_file(tmp_path)),
+                         env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_HEARTBEAT_S": "0.2",
+                              "NANGUARD_TOKEN": TOKEN})
+    coordinator.wait_for("nanguard_ranks_alive", at_least=2, timeout=60)
+    ended = job.wait(120)
+    assert ended.returncodes != [0], ended.output[-3000:]
+    rows = {r["rank"]: r for r in status(coordinator)["ranks"]}
+    assert not rows[0]["finished"] and not rows[1]["finished"], rows
+    # rank 0 ended by an uncaught error and said so (failed at once); torchrun's SIGTERM, which
+    # may come first, ends it without a goodbye: then it is dead once it stays silent
+    until_failed_or_dead = time.monotonic() + 30
+    while time.monotonic() < until_failed_or_dead:
+        rows = {r["rank"]: r for r in status(coordinator)["ranks"]}
+        if all(r["failed"] or not r["alive"] for r in rows.values()):
+            break
+        time.sleep(0.2)
+    assert all(r["failed"] or not r["alive"] for r in rows.values()), rows
+    assert coordinator.value("nanguard_ranks_finished") == 0
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("on_nan", ["warn", "skip"])
+def test_an_operator_stop_during_a_nan_storm_stops_every_rank_at_one_step(torchrun, coordinator, tmp_path, on_nan):
+    """Rank 1's forward turns out NaN on every step from step 10 on (under ``warn`` DDP spreads it to
+    rank 0 too); an operator's stop still ends both ranks at one common step, and the bad steps
+    were reported on the way. The coordinator is told that non-finite events only warn (else its
+    policy would stop the job at the first one, as the ranks' own ``raise`` would)."""
+    coordinator.start("--warn-kinds", ",".join(STOP_KINDS), env=SECRETS)
+    progress = progress_file(tmp_path)
+    job = torchrun.spawn("ddp_train.py", *SLOW, "--fault", "forward", "--fault-rank", "1", "--fault-step", "10",
+                         "--fault-until", "3000", "--on-nan", on_nan, "--progress-file", str(progress),
+                         env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_HEARTBEAT_S": "0.2",
+                              "NANGUARD_TOKEN": TOKEN})
+    wait_for_progress(progress, 30, job)
+    assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") >= 1
+    assert status(coordinator)["stop"] is None  # warn and skip never stop the job on their own
+    operator_stop(coordinator, f"storm under {on_nan}")
+    results = stopped_together(job, f"storm under {on_nan}")
+    assert all(r["stop"]["step"] > 30 for r in results.values()), results
+    if on_nan == "skip":  # every bad step was skipped on both ranks: the weights stayed finite
+        assert all(r["final_finite"] and r["skipped_steps"] >= 20 for r in results.values()), results
+    else:  # warned, applied: DDP's all-reduce carried rank 1's NaN into both ranks' weights
+        assert not any(r["final_finite"] for r in results.values()), results
+    assert coordinator.value("nanguard_stops_total", reason="operator") == 1
+    assert coordinator.value("nanguard_bad_messages_total") == 0

@@ -107,8 +107,6 @@ for step in range(200):
 """
 
 
-@pytest.mark.xfail(reason="the rank side must pass Settings.curve_public_key to Client(curve_public_key=...) "
-                          "in nanguard/rank/reporter.py (the rank-side half of issue 11)", strict=False)
 def test_a_guard_with_the_public_key_reaches_a_curve_coordinator(coordinator, tmp_path):
     public, secret = curve.keypair()
     coordinator.start(env={"NANGUARD_TOKEN": TOKEN, "NANGUARD_CURVE_SECRET_KEY": secret})

@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import json
 import os
+import signal
 import socket
 import time
 import traceback
@@ -24,7 +25,7 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward")
+FAULTS = ("none", "forward", "input", "backward", "kill")
 
 
 # --------------------------------------------------------------------------- faults
@@ -146,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-node", type=int, default=None,
                    help="fault on the process whose NG_TEST_NODE equals this (not by rank)")
     p.add_argument("--fault-step", type=int, default=5)
+    p.add_argument("--fault-until", type=int, default=None,
+                   help="the fault hits every step from --fault-step up to this one, excluded (a storm)")
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--on-nan", default="raise")
@@ -193,7 +196,10 @@ def run(args: argparse.Namespace, wrap) -> int:
             for micro in range(args.accum):
                 x = torch.randn(8, 8, generator=generator)
                 y = torch.randint(0, 4, (8,), generator=generator)
-                hit = (faulty and step == args.fault_step and micro == args.fault_micro)
+                last_fault = args.fault_step if args.fault_until is None else args.fault_until - 1
+                hit = faulty and args.fault_step <= step <= last_fault and micro == args.fault_micro
+                if hit and args.fault == "kill":  # the process dies as by the OOM killer: no exit code, no atexit
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if hit and args.fault == "input":
                     x[0, 0] = float("nan")
                 fault_module.mode = args.fault if hit and args.fault != "input" else None
