@@ -5,7 +5,7 @@ otherwise rewrites them (so that what it does to them cannot move the blame). No
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -74,11 +74,15 @@ class BackwardWatch:
         """A root forward returned ``output``: its backward pass will be watched."""
         if self.snapshot_gradients and not self.watches_buckets and torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
-            tensor = next((t for t in floating_tensors(output) if t.requires_grad), None)
-            if tensor is not None:
-                tensor.register_hook(self._started)
+            tensor = output if type(output) is torch.Tensor else next(
+                (t for t in floating_tensors(output) if t.requires_grad), None)
+            node = tensor.grad_fn if tensor is not None else None
+            if node is not None:
+                node.register_prehook(self._started)  # cheaper than a hook on the tensor
+            elif tensor is not None and tensor.requires_grad:
+                tensor.register_hook(self._started)  # a leaf: it has no node
 
-    def _started(self, grad: torch.Tensor) -> None:
+    def _started(self, grad: object) -> None:
         self._queue_end()
 
     def _queue_end(self) -> None:
@@ -92,6 +96,25 @@ class BackwardWatch:
         self._queued = False
         if not self.attached() or not self.snapshot_gradients:
             return
-        owners = [p for p in (ref() for ref in self._params) if p is not None and p.grad is not None]
-        grads = [forensics.plain(p.grad.coalesce().values() if p.grad.is_sparse else p.grad) for p in owners]
-        self.log.produced = (owners, list(torch._foreach_norm(grads)) if grads else [])
+        owners, grads = gradients([p for ref in self._params if (p := ref()) is not None])
+        self.log.produced = (owners, grad_norms(grads))
+
+
+def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters that have a gradient, their gradients as plain dense tensors)."""
+    owners, grads = [], []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            grad = grad.coalesce().values()
+        owners.append(param)
+        grads.append(forensics.plain(grad))
+    return owners, grads
+
+
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-gradient L2 norms from one fused pass (no host sync); non-finite when a gradient
+    element is, or when a norm overflows on finite values (the diagnosis confirms exactly)."""
+    return list(torch._foreach_norm(grads)) if grads else []

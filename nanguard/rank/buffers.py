@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import forensics
+from .records import version_of
 
 _NORMS = (nn.modules.batchnorm._NormBase,)
 """BatchNorm, SyncBatchNorm, InstanceNorm: running statistics written inside their kernels"""
@@ -55,7 +56,7 @@ class Buffers:
         """Keep what this step may write (no host sync: device copies)."""
         if not self._owners:
             return
-        self._versions = {q: (b._version, id(b)) for q, _, _, b in self._current()}
+        self._versions = {q: (version_of(b), id(b)) for q, _, _, b in self._current()}
         with torch.no_grad():
             self._kept = {q: b.detach().clone() for q, _, _, b in self._current()
                           if not self._learned or q in self._written}
@@ -65,7 +66,7 @@ class Buffers:
         if not self._versions:
             return []
         found = [(q, b) for q, _, _, b in self._current() if q in self._versions and (
-            q in self._written or self._versions[q] != (b._version, id(b)))]
+            q in self._written or self._versions[q] != (version_of(b), id(b)))]
         self._written.update(q for q, _ in found)
         self._learned = bool(self._versions)
         return [(q, b) for q, b in found if b.is_floating_point()]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +22,10 @@ from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
 from . import diagnose, forensics
+from .backward import grad_norms, gradients
 from .detector import Detector
 from .diagnose import Finding
+from .records import Slots, stack
 
 if TYPE_CHECKING:
     from ..replay import StepObserver
@@ -86,21 +87,26 @@ class Reading:
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
               collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
               evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = (),
-              extras: list[torch.Tensor] = ()) -> Reading | None:
-    """Stack, all-reduce the flag (``collectives`` given: every rank is here), read once.
+              extras: list[torch.Tensor] = (), slots: tuple[Slots, Slots] | None = None) -> Reading | None:
+    """Gather into one vector, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
-    ``evidence`` is read with the rest but cannot make the step bad. None when there is nothing
-    to read and no one to agree with.
+    ``evidence`` is read with the rest but cannot make the step bad. ``slots``: where ``probes``
+    and ``evidence`` were written, when a detector's (read as slices, not stacked). None when there
+    is nothing to read and no one to agree with.
     """
-    faults = probes + norms + buckets + list(buffers)
-    parts = faults + list(evidence) + list(extras)
-    if not parts and collectives is None:
+    probe_slots, evidence_slots = slots if slots is not None else (Slots(), Slots())
+    others = list(norms) + list(buckets) + list(buffers)
+    faults = len(probes) + len(others)
+    pieces = [piece for piece in (probe_slots.vector(probes), stack(others) if others else None,
+                                  evidence_slots.vector(list(evidence)), stack(list(extras)) if extras else None)
+              if piece is not None]
+    if not pieces and collectives is None:
         return None
-    vector = stack(parts) if parts else torch.zeros(0, device=collectives.device())
+    vector = concat(pieces) if pieces else torch.zeros(0, device=collectives.device())
     if collectives is not None:
         # x * 0 is 0 for every finite x and NaN otherwise: a sum of huge finite values cannot overflow
-        fault = vector[:len(faults)].mul(0).sum()
+        fault = vector[:faults].mul(0).sum()
         flags = torch.stack([fault + (math.nan if early else 0.0),
                              torch.full((), float(stop), device=vector.device)])
         collectives.all_reduce(flags)
@@ -110,11 +116,11 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
         (flag, stop_sum), values = values[:2], values[2:]
         bad, stop = not math.isfinite(flag), bool(stop_sum)
     else:
-        bad = early or not all(map(math.isfinite, values[:len(faults)]))
-    split, end, tail = len(probes) + len(norms), len(faults) - len(buffers), len(values) - len(extras)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[len(faults):tail],
+        bad = early or not all(map(math.isfinite, values[:faults]))
+    split, end, tail = len(probes) + len(norms), faults - len(buffers), len(values) - len(extras)
+    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[faults:tail],
                    not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
-                   values[end:len(faults)], values[tail:])
+                   values[end:faults], values[tail:])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -131,33 +137,15 @@ def agree(collectives: Collectives | None, local: Finding | None) -> Finding | N
                                           f.event.rank))
 
 
-def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack`` of 0-d tensors that may sit on several devices (pipeline stages)."""
+def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """1-d ``pieces`` as one vector, on the first one's device (pipeline stages hold several)."""
+    if len(pieces) == 1:
+        return pieces[0]
     try:
-        return torch.stack(tensors)
+        return torch.cat(pieces)
     except RuntimeError:
-        device = tensors[0].device
-        return torch.stack([t.to(device, non_blocking=True) for t in tensors])
-
-
-def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(parameters that have a gradient, their gradients as plain dense tensors)."""
-    owners, grads = [], []
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            grad = grad.coalesce().values()
-        owners.append(param)
-        grads.append(forensics.plain(grad))
-    return owners, grads
-
-
-def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-gradient L2 norms from one fused pass (no host sync); non-finite when a gradient
-    element is, or when a norm overflows on finite values (the diagnosis confirms exactly)."""
-    return list(torch._foreach_norm(grads)) if grads else []
+        device = pieces[0].device
+        return torch.cat([p.to(device, non_blocking=True) for p in pieces])
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -185,7 +173,7 @@ class Decider:
         log = self.detector.log
         if log.values and self._early is None:
             reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
-                                evidence=log.evidence)
+                                evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
             if reading.bad:
                 self._early = diagnose.first_bad(self.detector.catalog, log, reading, self._event)
         self.detector.reset()
@@ -206,7 +194,8 @@ class Decider:
                             detector.bucket_probes if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
                             watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
-                            buffers=detector.buffers.norms(written), extras=self.respond.extras())
+                            buffers=detector.buffers.norms(written), extras=self.respond.extras(),
+                            slots=(detector.log.value_slots, detector.log.evidence_slots))
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],

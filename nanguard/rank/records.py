@@ -6,6 +6,7 @@ turns the records of a bad step into an Event. Plain data, no hooks, no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from bisect import bisect_right
@@ -13,6 +14,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+_UNTRACKED = itertools.count(-1, -1)
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """A tensor's in-place version. An inference tensor (made under ``torch.inference_mode``)
+    keeps none: it gets a new negative number at every call, so it is never taken as unchanged
+    since it was probed (it is probed again, and never described as if it were the same)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return next(_UNTRACKED)
+
 
 OUT, IN, BATCH, CHECK = range(4)
 """what a probe looked at: a module's output, a module's input that nothing had checked, the
@@ -59,7 +73,7 @@ class Probe:
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""
         tensor = self.kept() if isinstance(self.kept, weakref.ref) else self.kept
-        if tensor is not None and tensor._version != self.version:
+        if tensor is not None and version_of(tensor) != self.version:
             return None
         return tensor
 
@@ -91,6 +105,72 @@ class Catalog:
         return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
 
 
+class Slots:
+    """Places made in advance for one step's (minimum, maximum) pairs of one kind (outputs, or
+    inputs as evidence): a probe writes into two 0-d views of one buffer made once, so it creates
+    no tensor, and the decision reads a slice of the buffer instead of stacking the pairs. Inside a
+    training step each new tensor costs 5-9 us on this machine's CPU (four times its cost alone,
+    measured in situ), so this is most of what a probe costs beside its reduction.
+
+    One buffer per step, of the dtype and device of the step's first probe: a probe of another
+    (a bf16 layer among float32 ones, a pipeline stage's second device) makes its own tensors, and
+    the step's values are then stacked as before (``vector``)."""
+
+    __slots__ = ("buffer", "views", "used", "mixed")
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.used = 0
+        self.mixed = False
+        """a value of this step lies outside the buffer: read by stacking"""
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two 0-d views to write ``like``'s extremes into (the next two places), or None where
+        ``like`` has another dtype or device than this step's buffer."""
+        if self.mixed:
+            return None
+        buffer, used = self.buffer, self.used
+        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
+            if used:
+                self.mixed = True
+                return None
+            self._grow(64, like)
+        elif used + 2 > len(self.views):
+            self._grow(2 * len(self.views), like)  # more probes than any step before
+        self.used = used + 2
+        return self.views[used], self.views[used + 1]
+
+    def _grow(self, size: int, like: torch.Tensor) -> None:
+        """A new buffer of ``size`` places, holding what this step wrote so far."""
+        with torch.inference_mode(False), torch.no_grad():  # writable by every later step
+            buffer = torch.empty(size, dtype=like.dtype, device=like.device)
+            if self.used:
+                buffer[:self.used].copy_(self.buffer[:self.used])
+            self.buffer, self.views = buffer, list(buffer.unbind())  # views made once per size
+
+    def vector(self, values: list[torch.Tensor]) -> torch.Tensor | None:
+        """``values`` (this step's, in order) as one 1-d tensor, or None when there are none."""
+        if not values:
+            return None
+        if not self.mixed and self.used == len(values):
+            return self.buffer[:self.used]
+        return stack(values)
+
+    def clear(self) -> None:
+        self.used = 0
+        self.mixed = False
+
+
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` of 0-d tensors that may sit on several devices (pipeline stages)."""
+    try:
+        return torch.stack(tensors)
+    except RuntimeError:
+        device = tensors[0].device
+        return torch.stack([t.to(device, non_blocking=True) for t in tensors])
+
+
 @dataclass(slots=True)
 class StepLog:
     """One step's probes, in the order they were made, until its decision."""
@@ -111,10 +191,15 @@ class StepLog:
     """(parameters, the norms of their gradients) as the last backward pass left them"""
     loss_at: int | None = None
     """where the tensor checked as "loss" is in ``values``, for the flight recorder"""
+    value_slots: Slots = field(default_factory=Slots)
+    """where the probes of ``values`` write, when they can (see Slots)"""
+    evidence_slots: Slots = field(default_factory=Slots)
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
             part.clear()
+        self.value_slots.clear()
+        self.evidence_slots.clear()
         self.produced = self.loss_at = None
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:

@@ -1,0 +1,131 @@
+"""Probes write into places made in advance (records.Slots): whatever the step looks like (more
+probes than any step before, dtypes mixed, inference mode first), each step's values are its own
+and the report names the right module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nanguard
+
+
+class Poison(nn.Module):
+    """Linear whose output turns NaN at one element while ``armed``."""
+
+    def __init__(self, width: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.linear = nn.Linear(width, width, dtype=dtype)
+        self.armed = False
+
+    def forward(self, x):
+        out = self.linear(x.to(self.linear.weight.dtype))
+        if self.armed:
+            out = out.clone()
+            out[0, 0] = float("nan")
+        return out
+
+
+def deep(n: int, dtypes=(torch.float32,)) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Poison(8, dtypes[i % len(dtypes)]) for i in range(n)])
+
+
+def train(model, optimizer, steps=1):
+    for _ in range(steps):
+        out = model(torch.randn(4, 8))
+        loss = out.float().pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("bad", [1, 20, 79])
+def test_more_probes_than_any_earlier_step_grow_the_places_and_keep_the_order(bad):
+    # 80 modules, two probes each (the Poison and its Linear): past the 64 places made first
+    model = deep(80)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        train(model, optimizer, steps=2)
+        model[bad].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train(model, optimizer)
+    assert info.value.event.layer == f"{bad}" and info.value.event.step == 2
+
+
+def test_clean_steps_after_a_skipped_bad_one_read_their_own_values():
+    model = deep(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer, on_nan="skip") as guard:
+        train(model, optimizer)
+        model[2].armed = True
+        train(model, optimizer)
+        model[2].armed = False
+        model[3].linear.weight.data.zero_()  # whatever the places held before is overwritten
+        train(model, optimizer, steps=3)
+        events = [e for e in guard.events if e.kind == "forward"]
+    assert [(e.layer, e.step) for e in events] == [("2", 1)]
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2, 5])
+def test_dtypes_mixed_in_one_step_are_read_in_order(bad):
+    model = deep(6, dtypes=(torch.float32, torch.bfloat16, torch.float64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        train(model, optimizer)
+        model[bad].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train(model, optimizer)
+    assert info.value.event.layer == f"{bad}"
+
+
+def test_a_first_forward_in_inference_mode_leaves_places_a_training_step_can_write():
+    model = deep(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        with torch.inference_mode():
+            model(torch.randn(4, 8))
+        train(model, optimizer)
+        model[1].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train(model, optimizer)
+    assert info.value.event.layer == "1"
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steady_step_writes_every_probe_into_its_places_and_stacks_none():
+    model = deep(5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        train(model, optimizer, steps=2)
+        with Ops() as ops:
+            train(model, optimizer)
+    reductions = [n for n in ops.names if n.startswith("aten.aminmax")]
+    # 5 Poison outputs are their Linears' outputs again: 5 probes, all into places
+    assert reductions == ["aten.aminmax.out"] * 5
+    assert "aten.stack.default" in ops.names  # the gradient norms (one fused pass), nothing else
+    assert ops.names.count("aten.stack.default") == 1
+
+
+def test_a_model_run_under_inference_mode_is_checked_and_named():
+    # inference tensors keep no in-place version: nanguard must neither crash on them nor take
+    # one as unchanged since it was probed
+    model = deep(3)
+    with nanguard.init(model):
+        with torch.inference_mode():
+            model(torch.randn(4, 8))
+            model[1].armed = True
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                model(torch.randn(4, 8))
+    assert info.value.event.layer == "1"
