@@ -10,7 +10,8 @@ non-finite does the diagnosis look at the records one by one.
 
 What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
-  that is just a child's output is recognised and not checked again);
+  that is just a child's output is recognised and not checked again; a plain ``nn.Sequential``,
+  whose output always is, is not hooked at all);
 - the inputs of a module, unless they are outputs already probed and not modified in place
   since (so a value born in code *between* modules is told apart from one born inside). These are
   evidence, not faults: models pass -inf on purpose (additive attention masks), so a non-finite
@@ -119,6 +120,8 @@ class Detector:
             # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
             # several microseconds more per call. A value passed by keyword is still caught at the
             # output it poisons.
+            if type(module) is nn.Sequential:
+                continue  # in and out are its first and last child's, probed there (a subclass is hooked)
             hook = self._make_hook(slot, mode, leaf, named=module is root)
             self._handles.append(module.register_forward_hook(hook))
         for module in names:
