@@ -4,7 +4,7 @@
     detector.py   the forward hooks: one exact probe per checked tensor, no host sync
     backward.py   DDP buckets before their all-reduce; gradients as the backward pass leaves them
     records.py    what the hooks leave: the module catalogue and one step's probe records
-    decision.py   one stack, one all-reduce, one read per step; agreeing on the job's first event
+    decision.py   one vector, one all-reduce, one read per step; agreeing on the job's first event
     diagnose.py   probe records of a bad step -> the Event that names where it was born
     respond.py    the on_nan policy (report, capture, skip, raise), requested stops, norm warnings
     gradnorm.py   the gradient-norm monitor (threshold and spike warnings)

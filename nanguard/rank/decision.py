@@ -1,7 +1,7 @@
 """The per-step decision: one device vector, one all-reduce, one host read, one agreement.
 
-At the optimizer step every probe of the step and the gradients' norms are stacked into one
-small device vector. Under ``torch.distributed`` a two-number flag (something is bad, a stop was
+At the optimizer step every probe of the step (already side by side in their places) and the
+gradients' norms are joined into one small device vector. Under ``torch.distributed`` a two-number flag (something is bad, a stop was
 requested) is all-reduced first, so every rank takes the same decision; then the vector is read
 to the host: the only device-to-host read of a clean step. Only when something is bad do the
 ranks look closer (``diagnose``) and agree on the job's first event.

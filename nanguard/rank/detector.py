@@ -1,12 +1,12 @@
 """Hooks and device flags: find non-finite values without syncing the host. No I/O.
 
-Every checked tensor leaves one *probe*: its minimum and maximum, two 0-d device tensors from one
-reduction (``torch.aminmax``), appended to the step's log with a record of what it looked at.
-The probe is exact: a NaN makes both NaN, +Inf the maximum, -Inf the minimum, and a finite
-tensor's extremes are finite (a float32 sum, by contrast, overflows on huge finite values).
-Nothing is read on the hot path: the decision stacks the step's probes (and the gradient norms)
-into one small vector and reads it once per optimizer step; only when a value in it is
-non-finite does the diagnosis look at the records one by one.
+Every checked tensor leaves one *probe*: its minimum and maximum from one reduction
+(``torch.aminmax``), written into two places made in advance (``records.Slots``), with a record
+of what it looked at appended to the step's log. The probe is exact: a NaN makes both NaN, +Inf
+the maximum, -Inf the minimum, and a finite tensor's extremes are finite (a float32 sum, by
+contrast, overflows on huge finite values). Nothing is read on the hot path: the decision joins
+the step's probes (and the gradient norms) into one small vector and reads it once per optimizer
+step; only when a value in it is non-finite does the diagnosis look at the records one by one.
 
 What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
@@ -176,7 +176,10 @@ class Detector:
                 self._kept_bytes += size
                 kept = local.detach() if local.requires_grad else local
         log = self.log
-        version = version_of(tensor)
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor
+            version = version_of(tensor)
         pos = -1
         if not lazy:
             values, slots = (log.evidence, log.evidence_slots) if role == IN else (log.values, log.value_slots)
@@ -226,18 +229,19 @@ class Detector:
                             log.values.extend(probe(tensor))
                             log.records.append(compiled)
                 return None
-            if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and mode != SKIP_MODE:
-                # the common call, one tensor in and one out: what the general path does, inlined
+            if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and \
+                    mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
+                # the common call, one tensor in and one out, both with versions: the general path inlined
                 x = args[0]
                 entry = seen.get(id(x))
-                if (entry is None or entry[0]() is not x or entry[1] != version_of(x)) and (
+                if (entry is None or entry[0]() is not x or entry[1] != x._version) and (
                         x.is_floating_point() or x.is_complex()):
                     add(x, IN, slot)
                 if output.is_floating_point() or output.is_complex():
                     entry = seen.get(id(output))
-                    if entry is None or entry[0]() is not output or entry[1] != version_of(output):
+                    if entry is None or entry[0]() is not output or entry[1] != output._version:
                         if mode == PASS_MODE:
-                            seen[id(output)] = (weakref.ref(output), version_of(output), None)
+                            seen[id(output)] = (weakref.ref(output), output._version, None)
                         else:
                             add(output, OUT, slot)
                 return None
@@ -281,7 +285,8 @@ class Detector:
         log.spans.append((len(log.records), root_slot, micro_batch))
         if self.keep_batches:
             log.batches.append((root_slot, args, kwargs))
-        for tensor in self._unchecked(floating_tensors(args) + floating_tensors(kwargs)):
+        batch = floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+        for tensor in self._unchecked(batch):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):

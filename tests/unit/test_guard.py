@@ -543,7 +543,7 @@ def test_grad_scaler_given_to_init_still_skips_overflows_but_stops_on_a_forward_
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), fault, nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=1000)
-    with nanguard.init(model, optimizer, scaler=scaler) as guard:
+    with nanguard.init(model, optimizer, scaler=scaler):
         with pytest.raises(nanguard.NonFiniteError) as info:
             for step in range(40):
                 fault.armed = step == 35
