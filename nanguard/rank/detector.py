@@ -122,7 +122,7 @@ class Detector:
             # output it poisons.
             if type(module) is nn.Sequential:
                 continue  # in and out are its first and last child's, probed there (a subclass is hooked)
-            hook = self._make_hook(slot, mode, leaf, named=module is root)
+            hook = forward_hook(self, slot, mode, leaf, named=module is root)
             self._handles.append(module.register_forward_hook(hook))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
@@ -212,57 +212,6 @@ class Detector:
         for tensor in tensors:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
-    def _make_hook(self, slot: int, mode: int, leaf: bool, named: bool = False):
-        is_compiling = torch.compiler.is_compiling
-        add, unchecked, seen = self._add, self._unchecked, self._seen
-        log = self.log
-        compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
-        tensor_type = torch.Tensor
-
-        def hook(module, args, output):
-            if is_compiling():
-                # Inside a compiled graph only tensor math and list appends (no graph break),
-                # and only leaves: without identity tracking a container would re-check.
-                if mode == CHECK_MODE and leaf:
-                    for tensor in floating_tensors(output):
-                        if tensor.numel():
-                            log.values.extend(probe(tensor))
-                            log.records.append(compiled)
-                return None
-            if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and \
-                    mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
-                # the common call, one tensor in and one out, both with versions: the general path inlined
-                x = args[0]
-                entry = seen.get(id(x))
-                if (entry is None or entry[0]() is not x or entry[1] != x._version) and (
-                        x.is_floating_point() or x.is_complex()):
-                    add(x, IN, slot)
-                if output.is_floating_point() or output.is_complex():
-                    entry = seen.get(id(output))
-                    if entry is None or entry[0]() is not output or entry[1] != output._version:
-                        if mode == PASS_MODE:
-                            seen[id(output)] = (weakref.ref(output), output._version, None)
-                        else:
-                            add(output, OUT, slot)
-                return None
-            # a root's output is named field by field (a model's loss is told from its logits)
-            fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
-                      if named and type(output) is not tensor_type else {})
-            outputs = floating_tensors(output)
-            if mode == SKIP_MODE:
-                self._mark_seen(outputs)
-                return None
-            for tensor in unchecked(floating_tensors(args)):
-                add(tensor, IN, slot)
-            if mode == PASS_MODE:
-                self._mark_seen(outputs)
-            else:
-                for tensor in unchecked(outputs):
-                    add(tensor, OUT, slot, field=fields.get(id(tensor)))
-            return None
-
-        return hook
-
     def _make_root_pre(self, root_slot: int):
         def root_pre(module, args, kwargs):
             # A root compiled in place (module.compile()) runs its hooks inside the graph: leave
@@ -333,3 +282,57 @@ class Detector:
         self._seen.clear()
         self._kept_bytes = 0
         self._forwards.clear()
+
+
+def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False):
+    """The forward hook of one module (its slot and mode; ``named``: the root, whose output
+    fields are named)."""
+    is_compiling = torch.compiler.is_compiling
+    add, unchecked, seen = detector._add, detector._unchecked, detector._seen
+    log = detector.log
+    compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
+    tensor_type = torch.Tensor
+
+    def hook(module, args, output):
+        if is_compiling():
+            # Inside a compiled graph only tensor math and list appends (no graph break),
+            # and only leaves: without identity tracking a container would re-check.
+            if mode == CHECK_MODE and leaf:
+                for tensor in floating_tensors(output):
+                    if tensor.numel():
+                        log.values.extend(probe(tensor))
+                        log.records.append(compiled)
+            return None
+        if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and \
+                mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
+            # the common call, one tensor in and one out, both with versions: the general path inlined
+            x = args[0]
+            entry = seen.get(id(x))
+            if (entry is None or entry[0]() is not x or entry[1] != x._version) and (
+                    x.is_floating_point() or x.is_complex()):
+                add(x, IN, slot)
+            if output.is_floating_point() or output.is_complex():
+                entry = seen.get(id(output))
+                if entry is None or entry[0]() is not output or entry[1] != output._version:
+                    if mode == PASS_MODE:
+                        seen[id(output)] = (weakref.ref(output), output._version, None)
+                    else:
+                        add(output, OUT, slot)
+            return None
+        # a root's output is named field by field (a model's loss is told from its logits)
+        fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
+                  if named and type(output) is not tensor_type else {})
+        outputs = floating_tensors(output)
+        if mode == SKIP_MODE:
+            detector._mark_seen(outputs)
+            return None
+        for tensor in unchecked(floating_tensors(args)):
+            add(tensor, IN, slot)
+        if mode == PASS_MODE:
+            detector._mark_seen(outputs)
+        else:
+            for tensor in unchecked(outputs):
+                add(tensor, OUT, slot, field=fields.get(id(tensor)))
+        return None
+
+    return hook
