@@ -5,6 +5,7 @@ Never called on a clean step: each function here syncs with the device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -25,11 +26,20 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
-    """Exact: True when every element is finite."""
+    """Exact, and fast: True when every element is finite. A finite sum proves every element
+    finite (a NaN or an Inf makes any sum non-finite); a sum that is not (or overflowed) is
+    settled by the extremes, where a NaN or an Inf always shows. ``isfinite().all()`` is 20 to
+    100 times slower on a CPU (MEASURED.md)."""
     tensor = plain(tensor)
-    if not (tensor.is_floating_point() and tensor.numel()):
+    if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.layout != torch.strided:
         return True
-    return bool(torch.isfinite(tensor).all())
+    if tensor.device.type == "meta":
+        return True
+    wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+    if math.isfinite(float(tensor.sum(dtype=wide))):
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -47,23 +57,23 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return fields | {"bad_count": 0, "nan_count": 0, "inf_count": 0,
                          "has_nan": False, "has_inf": False}
-    nan = torch.isnan(tensor)
-    inf = torch.isinf(tensor)
-    nan_count = int(nan.sum())
-    inf_count = int(inf.sum())
-    bad = nan | inf
+    bad = (tensor - tensor) != 0  # NaN and Inf alone give NaN: half the time of isfinite() on a CPU
+    bad_count = int(bad.sum())
+    nan_count = int(torch.isnan(tensor).sum()) if bad_count else 0
+    inf_count = bad_count - nan_count
     fields.update(
         nan_count=nan_count,
         inf_count=inf_count,
-        bad_count=int(bad.sum()),
+        bad_count=bad_count,
         has_nan=nan_count > 0,
         has_inf=inf_count > 0,
     )
-    if fields["bad_count"]:
-        flat = int(bad.flatten().nonzero()[0, 0])
-        index = torch.unravel_index(torch.tensor(flat), tensor.shape)
-        fields["first_index"] = tuple(int(i) for i in index)
+    if bad_count:
+        flat = int(bad.flatten().to(torch.uint8).argmax())  # the first True (argmax returns the first maximum)
+        fields["first_index"] = _unravel(flat, tuple(tensor.shape))
         fields["first_value"] = float(tensor.flatten()[flat])
+    if bad_count == tensor.numel():
+        return fields  # no finite values
     finite = tensor[~bad]
     if finite.numel():
         fields.update(
@@ -72,3 +82,12 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
             finite_mean=float(finite.double().mean()),
         )
     return fields
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of element ``flat`` of a C-contiguous tensor of ``shape``."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))

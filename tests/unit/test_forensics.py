@@ -1,6 +1,8 @@
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanguard.rank import forensics
 
@@ -26,3 +28,32 @@ def test_is_finite_exact_for_huge_values():
     assert forensics.is_finite(torch.full((1000,), 3e38))
     assert not forensics.is_finite(torch.tensor([1.0, -math.inf]))
     assert forensics.is_finite(torch.tensor([1, 2]))
+
+
+SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, -2.5, 3e38, -3e38, 65504.0, 1e-40]
+
+
+def _oracle(values: list[float]) -> dict:
+    """What describe() must say, worked out in plain Python on the list of values."""
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    return {"nan_count": sum(math.isnan(v) for v in values), "bad_count": len(bad),
+            "inf_count": sum(math.isinf(v) for v in values), "first": bad[0] if bad else None,
+            "finite": [v for v in values if math.isfinite(v)]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(SPECIALS) | st.floats(width=32), min_size=1, max_size=60),
+       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       st.integers(min_value=1, max_value=3))
+def test_describe_and_is_finite_agree_with_a_plain_python_oracle(values, dtype, rows):
+    tensor = torch.tensor(values * rows, dtype=torch.float64).to(dtype).reshape(rows, -1)
+    as_stored = tensor.double().flatten().tolist()  # after rounding to dtype (3e38 is inf in fp16)
+    want = _oracle(as_stored)
+    got = forensics.describe(tensor)
+    assert (got["nan_count"], got["inf_count"], got["bad_count"]) == (
+        want["nan_count"], want["inf_count"], want["bad_count"])
+    assert forensics.is_finite(tensor) == (want["bad_count"] == 0)
+    if want["first"] is not None:
+        assert got["first_index"] == divmod(want["first"], len(values))
+    if want["finite"] and want["bad_count"]:
+        assert got["finite_min"] == min(want["finite"]) and got["finite_max"] == max(want["finite"])
