@@ -1,0 +1,81 @@
+"""Two or more checkouts of nanguard side by side in one process: which one costs less per step.
+
+Runs of ``overhead.py`` a few minutes apart differ by 5-10 % on a shared machine, as much as most
+changes to the hot path. Here each checkout's ``nanguard`` package is copied under its own name
+(``ng_<name>``; the package imports itself relatively) and every checkout guards its own copy of
+the same model, timed in the same rounds as the plain loop, in rotating order:
+
+    python benchmarks/compare.py --model hf-gpt2 --repo before=/tmp/old --repo after=.
+
+Prints, per checkout, the median over rounds of (its step time / plain's) and the quartiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import overhead  # noqa: E402  (this folder's benchmark: models, runner, variants)
+
+
+def load(name: str, checkout: Path, into: Path):
+    """Checkout's nanguard package, imported as ``ng_<name>``."""
+    package = into / f"ng_{name}"
+    shutil.copytree(checkout / "nanguard", package, ignore=shutil.ignore_patterns("__pycache__"))
+    return importlib.import_module(package.name)
+
+
+def variant(name: str, module) -> overhead.Variant:
+    def attach(model, opt, **workload):
+        return module.init(model, opt, **workload).close
+    return overhead.Variant(name, attach)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mlp", choices=sorted(overhead.MODELS))
+    parser.add_argument("--repo", action="append", required=True, metavar="NAME=PATH",
+                        help="a checkout to compare (repeat)")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = overhead.MODELS[args.model]
+    with tempfile.TemporaryDirectory() as folder:
+        sys.path.insert(0, folder)
+        variants = {"plain": overhead.Variant("plain")}
+        for item in args.repo:
+            name, _, path = item.partition("=")
+            if not name.isidentifier() or not (Path(path) / "nanguard").is_dir():
+                parser.error(f"--repo {item!r}: expected NAME=PATH, PATH a checkout with a nanguard/ folder")
+            variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)))
+        runners = {k: overhead.Runner(spec, v, torch.device("cpu")) for k, v in variants.items()}
+        for runner in runners.values():
+            runner.timed_steps(spec.warmup)
+        ratios: dict[str, list[float]] = {k: [] for k in runners if k != "plain"}
+        order = list(runners)
+        for _ in range(args.rounds):
+            order = order[1:] + order[:1]
+            medians = {k: statistics.median(runners[k].timed_steps(spec.steps)) for k in order}
+            for k in ratios:
+                ratios[k].append(medians[k] / medians["plain"])
+        for runner in runners.values():
+            runner.close()
+    print(f"{args.model}: {args.rounds} rounds x {spec.steps} steps, paired ratio to plain")
+    for name, values in ratios.items():
+        values.sort()
+        quarter = len(values) // 4
+        print(f"  {name:12s} median {statistics.median(values):.3f}  quartiles {values[quarter]:.3f}-"
+              f"{values[-quarter - 1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
