@@ -49,6 +49,7 @@ _FINITE_PRESERVING = (
     nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+_transformed = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
@@ -161,6 +162,8 @@ class Detector:
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         # forensics.plain, but for the common plain tensor without a detach: that is one tensor
         # made per probe (5-9 us inside a step here), and a reduction with autograd off needs none
+        if _transformed(tensor):
+            return  # inside torch.func (vmap, grad): no value to read; the result outside is checked
         local = tensor if type(tensor) is torch.Tensor and not tensor.is_complex() else forensics.plain(tensor)
         numel = local.numel()
         if not numel:

@@ -129,3 +129,20 @@ def test_a_model_run_under_inference_mode_is_checked_and_named():
             with pytest.raises(nanguard.NonFiniteError) as info:
                 model(torch.randn(4, 8))
     assert info.value.event.layer == "1"
+
+
+def test_a_model_under_torch_func_transforms_runs_and_is_checked_outside_them():
+    # per-sample gradients (vmap over grad): the tensors inside hold no value to read, so they
+    # are not probed; the same model called normally is still checked
+    from torch.func import functional_call, grad, vmap
+
+    model = deep(3)
+    with nanguard.init(model):
+        params = dict(model.named_parameters())
+        per_sample = vmap(grad(lambda p, x: functional_call(model, p, (x[None],)).pow(2).sum()),
+                          in_dims=(None, 0))(params, torch.randn(5, 8))
+        assert per_sample["0.linear.weight"].shape == (5, 8, 8)
+        model[2].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            model(torch.randn(4, 8))
+    assert info.value.event.layer == "2"
