@@ -110,9 +110,7 @@ def gradients(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[
         if grad.is_sparse:
             grad = grad.coalesce().values()
         owners.append(param)
-        # forensics.plain, inlined for the common plain tensor: this runs for every parameter
-        grads.append(grad if type(grad) is torch.Tensor and not (grad.requires_grad or grad.is_complex())
-                     else forensics.plain(grad))
+        grads.append(forensics.plain(grad))
     return owners, grads
 
 

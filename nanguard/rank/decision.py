@@ -25,7 +25,7 @@ from . import diagnose, forensics
 from .backward import grad_norms, gradients
 from .detector import Detector
 from .diagnose import Finding
-from .records import Slots, stack
+from .records import Slots, concat, stack
 
 if TYPE_CHECKING:
     from ..replay import StepObserver
@@ -135,17 +135,6 @@ def agree(collectives: Collectives | None, local: Finding | None) -> Finding | N
         return None
     return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
                                           f.event.rank))
-
-
-def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """1-d ``pieces`` as one vector, on the first one's device (pipeline stages hold several)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    try:
-        return torch.cat(pieces)
-    except RuntimeError:
-        device = pieces[0].device
-        return torch.cat([p.to(device, non_blocking=True) for p in pieces])
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -179,10 +179,7 @@ class Detector:
                 self._kept_bytes += size
                 kept = local.detach() if local.requires_grad else local
         log = self.log
-        try:
-            version = tensor._version
-        except RuntimeError:  # an inference tensor
-            version = version_of(tensor)
+        version = version_of(tensor)
         pos = -1
         if not lazy:
             values, slots = (log.evidence, log.evidence_slots) if role == IN else (log.values, log.value_slots)

@@ -162,13 +162,24 @@ class Slots:
         self.mixed = False
 
 
-def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack`` of 0-d tensors that may sit on several devices (pipeline stages)."""
+def _on_one_device(join, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``join(tensors)``, with the tensors moved to the first one's device when they sit on several
+    (pipeline stages)."""
     try:
-        return torch.stack(tensors)
+        return join(tensors)
     except RuntimeError:
         device = tensors[0].device
-        return torch.stack([t.to(device, non_blocking=True) for t in tensors])
+        return join([t.to(device, non_blocking=True) for t in tensors])
+
+
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` of 0-d tensors that may sit on several devices."""
+    return _on_one_device(torch.stack, tensors)
+
+
+def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """1-d ``pieces`` as one vector, on the first one's device."""
+    return pieces[0] if len(pieces) == 1 else _on_one_device(torch.cat, pieces)
 
 
 @dataclass(slots=True)

@@ -54,13 +54,9 @@ class _Mode(TorchDispatchMode):
         return self.watch.on_op(func, args, kwargs or {})
 
 
-all_finite = forensics.is_finite
-"""exact and fast (the rank side's check, which the replay shares)"""
-
-
 def _first_bad(out: Any) -> torch.Tensor | None:
     for leaf in tree_leaves(out):
-        if isinstance(leaf, torch.Tensor) and not all_finite(leaf):
+        if isinstance(leaf, torch.Tensor) and not forensics.is_finite(leaf):
             return leaf
     return None
 
@@ -76,7 +72,7 @@ def _finite(value: Any) -> bool:
     if isinstance(value, _Unkept):
         return value.finite
     if isinstance(value, torch.Tensor):
-        return all_finite(value)
+        return forensics.is_finite(value)
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, complex):

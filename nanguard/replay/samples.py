@@ -24,8 +24,8 @@ from torch import nn
 
 from .._tree import floating_tensors, map_tensors
 from ..incident import rng_restore
+from ..rank import forensics
 from ..rank.modules import plain_names
-from .ops import all_finite
 from .quiet import quiet, restore_buffers, saved_buffers
 
 MAX_RUNS = 64  # runs of the model per rank: 2 bad samples of 4096 take about 50
@@ -142,7 +142,7 @@ class Runner:
         try:
             with torch.enable_grad():
                 out = self.model(*batch["args"], **batch["kwargs"])
-                if bad or not all(all_finite(t) for t in floating_tensors(out)):
+                if bad or not all(forensics.is_finite(t) for t in floating_tensors(out)):
                     return FORWARD
                 return BACKWARD if backward and self._bad_gradients(out) else CLEAN
         except Exception as exc:  # noqa: BLE001
@@ -163,12 +163,12 @@ class Runner:
         # autograd.grad, not backward(): nothing is accumulated into the parameters' .grad
         grads = torch.autograd.grad(outputs, params, grad_outputs=[torch.ones_like(t) for t in outputs],
                                     allow_unused=True)
-        return any(g is not None and not all_finite(g) for g in grads)
+        return any(g is not None and not forensics.is_finite(g) for g in grads)
 
 
 def _check(bad: list[str]):
     def hook(module, args, output):
-        if not bad and not all(all_finite(t) for t in floating_tensors(output)):
+        if not bad and not all(forensics.is_finite(t) for t in floating_tensors(output)):
             bad.append("bad")
 
     return hook

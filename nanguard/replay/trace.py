@@ -14,7 +14,6 @@ from torch import nn
 from .._tree import floating_tensors
 from ..rank import forensics
 from ..rank.modules import plain_names
-from .ops import all_finite
 
 _TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 
@@ -52,7 +51,7 @@ class Trace:
     def bad_batch(self, batch: Any, index: int) -> None:
         """Note a captured micro-batch that is itself non-finite."""
         with self.quiet():
-            bad = next((t for t in floating_tensors(batch) if not all_finite(t)), None)
+            bad = next((t for t in floating_tensors(batch) if not forensics.is_finite(t)), None)
             if bad is not None:
                 self.record("forward", {"module": "<the captured batch>", "module_type": "input",
                                         "micro_batch": index, "inputs_finite": False,
@@ -62,11 +61,11 @@ class Trace:
         def hook(module, args, output):
             outputs = floating_tensors(output)
             with self.quiet():
-                bad = next((t for t in outputs if not all_finite(t)), None)
+                bad = next((t for t in outputs if not forensics.is_finite(t)), None)
                 if bad is not None and len(self.records["forward"]) < _TRACE_LIMIT:
                     self.record("forward", {
                         "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(),
-                        "inputs_finite": all(all_finite(t) for t in floating_tensors(args)),
+                        "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors(args)),
                         "output": forensics.describe(bad)})
             if torch.is_grad_enabled():
                 for tensor in outputs:
@@ -79,7 +78,7 @@ class Trace:
     def _grad_hook(self, name: str):
         def hook(grad):
             with self.quiet():
-                if len(self.records["gradients"]) < _TRACE_LIMIT and not all_finite(grad):
+                if len(self.records["gradients"]) < _TRACE_LIMIT and not forensics.is_finite(grad):
                     self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
                                               "micro_batch": self.micro_batch(), **forensics.describe(grad)})
             return None
@@ -90,7 +89,7 @@ class Trace:
         def hook(param):
             with self.quiet():
                 if (len(self.records["gradients"]) < _TRACE_LIMIT and param.grad is not None
-                        and not all_finite(param.grad)):
+                        and not forensics.is_finite(param.grad)):
                     self.record("gradients", {"gradient_of": f"parameter {name}",
                                               "micro_batch": self.micro_batch(),
                                               **forensics.describe(param.grad)})

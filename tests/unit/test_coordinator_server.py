@@ -1,7 +1,6 @@
 """The coordinator's loop in this process, on a real socket: what it does when it fails itself."""
 
 import logging
-import time
 
 import pytest
 import zmq
@@ -35,13 +34,6 @@ def dealer(address):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
-
-
-def until(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_a_handler_that_fails_costs_one_message_counted_as_internal(started, monkeypatch, caplog):
