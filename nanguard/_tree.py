@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 MAX_DEPTH = 32
+_LEAVES = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size})
+"""types that never hold a tensor: a walk passes them without a call (module outputs are full of
+None; ``torch.Size`` is a tuple of ints)"""
 
 
 def _items(obj: Any) -> Iterable[Any] | None:
@@ -37,7 +40,8 @@ def _held(obj: Any) -> Iterable[Any] | None:
     attributes = getattr(obj, "__dict__", None)
     if not isinstance(attributes, dict) or isinstance(obj, (type, torch.nn.Module)):
         return None
-    return [value for value in attributes.values() if isinstance(value, torch.Tensor) or _items(value) is not None]
+    return [value for value in attributes.values() if isinstance(value, torch.Tensor) or (
+        type(value) not in _LEAVES and _items(value) is not None)]
 
 
 def tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
@@ -54,12 +58,17 @@ def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
         return [obj[0]] if obj[0].is_floating_point() or obj[0].is_complex() else []
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() or obj.is_complex() else []
-    items = (_items(obj) or _held(obj)) if _depth < MAX_DEPTH else None
+    items = (_items(obj) or _held(obj)) if _depth < MAX_DEPTH and type(obj) not in _LEAVES else None
     if items is None:
         return []
     found: list[torch.Tensor] = []
     for item in items:
-        found.extend(floating_tensors(item, _depth + 1))
+        kind = type(item)
+        if kind is torch.Tensor:  # the common items, without a call
+            if item.is_floating_point() or item.is_complex():
+                found.append(item)
+        elif kind not in _LEAVES:
+            found.extend(floating_tensors(item, _depth + 1))
     return found
 
 

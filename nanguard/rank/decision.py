@@ -118,7 +118,8 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     else:
         bad = early or not all(map(math.isfinite, values[:faults]))
     split, end, tail = len(probes) + len(norms), faults - len(buffers), len(values) - len(extras)
-    return Reading(bad, stop, values[:len(probes)], values[len(probes):split], values[faults:tail],
+    return Reading(bad, stop, probe_slots.in_order(values[:len(probes)]), values[len(probes):split],
+                   evidence_slots.in_order(values[faults:tail]),
                    not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
                    values[end:faults], values[tail:])
 

@@ -160,24 +160,22 @@ class Detector:
              field: str | None = None) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
-        # forensics.plain, but for the common plain tensor without a detach: that is one tensor
-        # made per probe (5-9 us inside a step here), and a reduction with autograd off needs none
         if _transformed(tensor):
             return  # inside torch.func (vmap, grad): no value to read; the result outside is checked
+        # forensics.plain without its detach: a reduction with autograd off needs none (a detach
+        # makes a tensor: 5-9 us inside a step here), and what reads a kept tensor later detaches
         local = tensor if type(tensor) is torch.Tensor and not tensor.is_complex() else forensics.plain(tensor)
         numel = local.numel()
         if not numel:
             return  # nothing in it can be non-finite
         ref = weakref.ref(tensor)
         kept: Any = ref  # beyond the budget: described only while the tensor is still alive
-        room = self._detail_bytes - self._kept_bytes
-        if room > 0:
-            # Keep the step's first tensors (up to a byte budget) so a bad one can be described
-            # exactly after the backward pass has freed the activations.
-            size = numel * local.element_size()
-            if size <= room:
-                self._kept_bytes += size
-                kept = local.detach() if local.requires_grad else local
+        # Keep the step's first tensors (up to a byte budget) so a bad one can be described
+        # exactly after the backward pass has freed the activations.
+        size = numel * local.element_size()
+        if size <= self._detail_bytes - self._kept_bytes:
+            self._kept_bytes += size
+            kept = local
         log = self.log
         version = version_of(tensor)
         pos = -1
@@ -190,7 +188,7 @@ class Detector:
                 torch._C._set_grad_enabled(False)
             try:
                 # (a 0-d tensor, a loss, is copied into its places: it may be changed in place later)
-                values.extend(torch.aminmax(local, out=places) if places else torch.aminmax(local))
+                values.extend(torch.aminmax(local, out=places))
             finally:
                 if grad:
                     torch._C._set_grad_enabled(True)

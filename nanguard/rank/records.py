@@ -105,61 +105,109 @@ class Catalog:
         return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
 
 
-class Slots:
-    """Places made in advance for one step's (minimum, maximum) pairs of one kind (outputs, or
-    inputs as evidence): a probe writes into two 0-d views of one buffer made once, so it creates
-    no tensor, and the decision reads a slice of the buffer instead of stacking the pairs. Inside a
-    training step each new tensor costs 5-9 us on this machine's CPU (four times its cost alone,
-    measured in situ), so this is most of what a probe costs beside its reduction.
+class _Places:
+    """One buffer of a dtype and device, and its 0-d views (made once per size)."""
 
-    One buffer per step, of the dtype and device of the step's first probe: a probe of another
-    (a bf16 layer among float32 ones, a pipeline stage's second device) makes its own tensors, and
-    the step's values are then stacked as before (``vector``)."""
+    __slots__ = ("buffer", "views", "used")
 
-    __slots__ = ("buffer", "views", "used", "mixed")
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
+    def __init__(self, like: torch.Tensor):
         self.used = 0
-        self.mixed = False
-        """a value of this step lies outside the buffer: read by stacking"""
+        self.buffer = self.views = None
+        self.grow(64, like)
 
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Two 0-d views to write ``like``'s extremes into (the next two places), or None where
-        ``like`` has another dtype or device than this step's buffer."""
-        if self.mixed:
-            return None
-        buffer, used = self.buffer, self.used
-        if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
-            if used:
-                self.mixed = True
-                return None
-            self._grow(64, like)
-        elif used + 2 > len(self.views):
-            self._grow(2 * len(self.views), like)  # more probes than any step before
-        self.used = used + 2
-        return self.views[used], self.views[used + 1]
-
-    def _grow(self, size: int, like: torch.Tensor) -> None:
+    def grow(self, size: int, like: torch.Tensor) -> None:
         """A new buffer of ``size`` places, holding what this step wrote so far."""
         with torch.inference_mode(False), torch.no_grad():  # writable by every later step
             buffer = torch.empty(size, dtype=like.dtype, device=like.device)
             if self.used:
                 buffer[:self.used].copy_(self.buffer[:self.used])
-            self.buffer, self.views = buffer, list(buffer.unbind())  # views made once per size
+            self.buffer, self.views = buffer, list(buffer.unbind())
+
+
+class Slots:
+    """Places made in advance for one step's (minimum, maximum) pairs of one kind (outputs, or
+    inputs as evidence): a probe writes into two 0-d views of a buffer made once, so it creates
+    no tensor, and the decision reads slices of the buffers instead of stacking the pairs. Inside a
+    training step each new tensor costs 5-9 us on this machine's CPU (four times its cost alone,
+    measured in situ), so this is most of what a probe costs beside its reduction.
+
+    One buffer per dtype and device (``torch.aminmax`` writes only into its input's dtype): a step
+    under autocast (bf16 layers among float32 ones) or across pipeline stages reads one slice per
+    buffer, joined in one ``cat``, and puts the pairs back in probe order on the host
+    (``in_order``). A value written elsewhere (a compiled graph's probe) makes the step's values
+    stacked as they are instead (``vector``)."""
+
+    __slots__ = ("_places", "_last", "_key", "_order", "used")
+
+    def __init__(self):
+        self._places: dict[tuple[torch.dtype, torch.device], _Places] = {}
+        self._last: _Places | None = None
+        """the places the last probe wrote into (most probes share their dtype and device)"""
+        self._key: tuple[torch.dtype, torch.device] | None = None
+        self._order: list[_Places] = []
+        """where each pair went, in probe order, when the step uses more than one buffer"""
+        self.used = 0
+        """pairs' values written into places this step (two per probe)"""
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two 0-d views to write ``like``'s extremes into (the next two places of its dtype and device)."""
+        places = self._last
+        if places is None or like.dtype is not self._key[0] or like.device != self._key[1]:
+            places = self._switch(like)
+        used = places.used
+        if used + 2 > len(places.views):
+            places.grow(2 * len(places.views), like)  # more probes than any step before
+        places.used = used + 2
+        self.used += 2
+        if self._order:
+            self._order.append(places)
+        return places.views[used], places.views[used + 1]
+
+    def _switch(self, like: torch.Tensor) -> _Places:
+        key = (like.dtype, like.device)
+        places = self._places.get(key)
+        if places is None:
+            places = self._places[key] = _Places(like)
+        if self._last is not None and places is not self._last and not self._order:
+            # a second buffer this step: from now on every pair's buffer is noted
+            self._order = [self._last] * (self.used // 2)
+        self._last, self._key = places, key
+        return places
 
     def vector(self, values: list[torch.Tensor]) -> torch.Tensor | None:
-        """``values`` (this step's, in order) as one 1-d tensor, or None when there are none."""
+        """``values`` (this step's) as one 1-d tensor, or None when there are none: in probe order,
+        except that with several buffers each buffer's pairs come together (``in_order`` puts the
+        read values back in order)."""
         if not values:
             return None
-        if not self.mixed and self.used == len(values):
-            return self.buffer[:self.used]
-        return stack(values)
+        if self.used != len(values):
+            self._order = []
+            return stack(values)
+        if not self._order:
+            return self._last.buffer[:self.used]
+        return concat([p.buffer[:p.used] for p in self._places.values() if p.used])
+
+    def in_order(self, read: list[float]) -> list[float]:
+        """Values read from ``vector()`` back in probe order."""
+        if not self._order:
+            return read
+        start, at = 0, {}
+        for places in self._places.values():
+            if places.used:
+                at[id(places)] = start
+                start += places.used
+        ordered = []
+        for places in self._order:
+            i = at[id(places)]
+            at[id(places)] = i + 2
+            ordered += read[i:i + 2]
+        return ordered
 
     def clear(self) -> None:
+        for places in self._places.values():
+            places.used = 0
+        self._order = []
         self.used = 0
-        self.mixed = False
 
 
 def _on_one_device(join, tensors: list[torch.Tensor]) -> torch.Tensor:

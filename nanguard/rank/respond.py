@@ -146,7 +146,8 @@ class Responder:
 
     def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
-        norms = [n if math.isfinite(n) else _exact_norm(p, n) for n, p in zip(norms, owners)]
+        if not all(map(math.isfinite, norms)):
+            norms = [n if math.isfinite(n) else _exact_norm(p, n) for n, p in zip(norms, owners)]
         norm = math.hypot(*norms)
         self.last_grad_norm = norm
         if self.settings.param_grad_norms:

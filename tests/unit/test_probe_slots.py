@@ -104,18 +104,41 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_steady_step_writes_every_probe_into_its_places_and_stacks_none():
-    model = deep(5)
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16, torch.float64)],
+                         ids=["one dtype", "three dtypes"])
+def test_a_steady_step_writes_every_probe_into_its_places_and_stacks_none(dtypes):
+    # under autocast a step mixes dtypes: each dtype has places of its own, joined by one cat
+    model = deep(5, dtypes)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nanguard.init(model, optimizer):
         train(model, optimizer, steps=2)
         with Ops() as ops:
             train(model, optimizer)
     reductions = [n for n in ops.names if n.startswith("aten.aminmax")]
-    # 5 Poison outputs are their Linears' outputs again: 5 probes, all into places
-    assert reductions == ["aten.aminmax.out"] * 5
+    # 5 Poison outputs are their Linears' outputs again: 5 probes, all into places; with three
+    # dtypes each Poison but the first converts its input between modules: 4 inputs probed too
+    assert reductions == ["aten.aminmax.out"] * (5 if len(dtypes) == 1 else 9)
     assert "aten.stack.default" in ops.names  # the gradient norms (one fused pass), nothing else
     assert ops.names.count("aten.stack.default") == 1
+    # one cat joins the pieces; with three dtypes, one more each for the outputs' and the inputs' slices
+    assert ops.names.count("aten.cat.default") == (1 if len(dtypes) == 1 else 3)
+
+
+def test_a_mixed_step_puts_each_probe_back_in_order():
+    # the flight recorder's loss and the reports read values by probe: bf16, float32 and float64
+    # probes interleaved must come back in the order they were made, whatever buffer held them
+    from nanguard.rank.records import Slots
+
+    slots, values, expected = Slots(), [], []
+    for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32] * 3):
+        tensor = torch.tensor([-float(i) - 1, float(i) + 1], dtype=dtype)
+        values.extend(torch.aminmax(tensor, out=slots.take(tensor)))
+        expected += [-float(i) - 1, float(i) + 1]
+    assert slots.in_order(slots.vector(values).tolist()) == expected
+    slots.clear()
+    tensor = torch.tensor([3.0, 4.0])
+    values = list(torch.aminmax(tensor, out=slots.take(tensor)))
+    assert slots.in_order(slots.vector(values).tolist()) == [3.0, 4.0]  # a new step starts clean
 
 
 def test_a_model_run_under_inference_mode_is_checked_and_named():

@@ -4,6 +4,8 @@ produced, norms never overflow on finite gradients, and whatever a module return
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import pytest
@@ -198,6 +200,48 @@ def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
     event = info.value.event
     assert event.kind == "buffer" and event.layer == "0.running_var" and event.module_type == "BatchNorm1d"
     assert guard.step == 2
+
+
+class Counting(nn.Module):
+    """Writes buffers of every kind in its forward: a float one holding -0.0, a denormal and a huge
+    value (each must come back bit for bit), an int counter and a bool flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stats", torch.tensor([-0.0, 3e38, 1e-40, 0.5]))
+        self.register_buffer("count", torch.tensor(0))
+        self.register_buffer("seen", torch.tensor([False, True]))
+        self.poison = False
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.stats[3] += 1.0
+            self.count += 1
+            self.seen.logical_not_()
+        out = self.lin(x)
+        return out * math.nan if self.poison else out
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_stopped_or_skipped_step_puts_back_buffers_of_every_dtype_bit_for_bit(policy):
+    model = Counting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan=policy, capture=False):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        before = {name: b.clone() for name, b in model.named_buffers()}
+        model.poison = True
+        with contextlib.suppress(nanguard.NonFiniteError):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+    for name, value in model.named_buffers():
+        assert value.dtype == before[name].dtype, name
+        assert torch.equal(value.view(-1).view(torch.uint8) if value.is_floating_point() else value,
+                           before[name].view(-1).view(torch.uint8) if value.is_floating_point()
+                           else before[name]), name
 
 
 class WithLoss(nn.Module):
