@@ -177,7 +177,10 @@ class Detector:
             self._kept_bytes += size
             kept = local
         log = self.log
-        version = version_of(tensor)
+        try:
+            version = tensor._version  # records.version_of, inlined: once per probe
+        except RuntimeError:
+            version = version_of(tensor)  # an inference tensor
         pos = -1
         if not lazy:
             values, slots = (log.evidence, log.evidence_slots) if role == IN else (log.values, log.value_slots)
