@@ -7,10 +7,12 @@ Each variant runs twice under callgrind, with K and with K+N training steps afte
 warm-up; the difference divided by N is what one step costs, import and set-up cancelling out.
 
     python benchmarks/step_instructions.py                       # this checkout, MLP, plain vs nanguard
+    python benchmarks/step_instructions.py --model hf-gpt2       # any workload of overhead.py
     python benchmarks/step_instructions.py --repo /path/to/other/checkout --repo .   # side by side
 
-Needs valgrind (Debian package ``valgrind``). A run takes a minute or two per variant: the import
-of torch alone is about five billion instructions.
+The workloads are overhead.py's, run by its Runner (the third-party ones need the realworld
+extra). Needs valgrind (Debian package ``valgrind``). A run takes a few minutes per variant: the
+import of torch alone is about five billion instructions, of transformers as many again.
 """
 
 from __future__ import annotations
@@ -27,65 +29,66 @@ HERE = Path(__file__).resolve().parent
 
 STEPS_SCRIPT = r'''
 import sys
-sys.path.insert(0, sys.argv[1])
+benchmarks, repo, variant, model, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+sys.path.insert(0, benchmarks)
 import torch
-from torch import nn
-torch.manual_seed(0)
 torch.set_num_threads(1)
-variant, steps = sys.argv[2], int(sys.argv[3])
-model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-guard = None
-if variant == "nanguard":
-    import nanguard
-    guard = nanguard.init(model, optimizer)
-x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
-
-def step():
-    loss = nn.functional.cross_entropy(model(x), y)
-    if guard is not None:
-        guard.check(loss)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-for _ in range(10 + steps):  # 10 warm-up steps: lazy initialisation must not be counted
-    step()
+import overhead
+# the checkout under test, not the one overhead.py imported from beside itself
+for name in [m for m in sys.modules if m == "nanguard" or m.startswith("nanguard.")]:
+    del sys.modules[name]
+sys.path.insert(0, repo)
+import nanguard
+assert nanguard.__file__.startswith(repo), nanguard.__file__
+overhead.nanguard = nanguard
+runner = overhead.Runner(overhead.MODELS[model], overhead.VARIANTS[variant], torch.device("cpu"))
+for _ in range(3 + steps):  # 3 warm-up steps: lazy initialisation is in both runs and cancels
+    runner.step()
 '''
 
 
-def instructions(repo: Path, variant: str, steps: int) -> int:
+def instructions(repo: Path, variant: str, model: str, steps: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "steps.py"
         script.write_text(STEPS_SCRIPT)
         out = Path(tmp) / "callgrind.out"
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "NANGUARD_DIR": tmp}
         run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                              sys.executable, str(script), str(repo), variant, str(steps)],
+                              sys.executable, str(script), str(HERE), str(repo), variant, model, str(steps)],
                              capture_output=True, text=True, env=env, check=False)
         found = re.search(r"Collected : (\d+)", run.stderr)
         if run.returncode != 0 or found is None:
-            raise SystemExit(f"callgrind run failed ({repo}, {variant}, {steps} steps):\n{run.stderr[-3000:]}")
+            raise SystemExit(f"callgrind run failed ({repo}, {variant}, {model}, {steps} steps):\n{run.stderr[-3000:]}")
         return int(found.group(1))
 
 
-def per_step(repo: Path, variant: str, base: int, steps: int) -> float:
-    return (instructions(repo, variant, base + steps) - instructions(repo, variant, base)) / steps
+def per_step(repo: Path, variant: str, model: str, steps: int) -> float:
+    return (instructions(repo, variant, model, steps) - instructions(repo, variant, model, 0)) / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", action="append", type=Path,
                         help="a checkout to measure (repeat to compare); default: this one")
-    parser.add_argument("--steps", type=int, default=40, help="N: the steps counted (default 40)")
+    parser.add_argument("--model", default="mlp",
+                        help="a workload of overhead.py (mlp, hf-gpt2, resnet-bn, ...; default mlp)")
+    parser.add_argument("--steps", type=int, default=20, help="N: the steps counted (default 20)")
     args = parser.parse_args()
+    if args.model not in overhead_models():
+        parser.error(f"--model {args.model!r}: not a workload of overhead.py ({', '.join(overhead_models())})")
     repos = [r.resolve() for r in args.repo] if args.repo else [HERE.parent]
-    plain = per_step(repos[0], "plain", 0, args.steps)
-    print(f"MLP 64-256-256-10, batch 64, SGD, 1 thread: instructions per step (callgrind, N={args.steps})")
+    plain = per_step(repos[0], "plain", args.model, args.steps)
+    print(f"{args.model}, 1 thread: instructions per step (callgrind, N={args.steps})")
     print("| checkout | plain | nanguard | nanguard / plain |\n|---|---:|---:|---:|")
     for repo in repos:
-        guarded = per_step(repo, "nanguard", 0, args.steps)
+        guarded = per_step(repo, "nanguard", args.model, args.steps)
         print(f"| {repo} | {plain:,.0f} | {guarded:,.0f} | {guarded / plain:.3f} |", flush=True)
+
+
+def overhead_models() -> list[str]:
+    sys.path.insert(0, str(HERE))
+    import overhead
+    return list(overhead.MODELS)
 
 
 if __name__ == "__main__":

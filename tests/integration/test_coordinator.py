@@ -342,11 +342,14 @@ def test_oversized_frames_are_counted_up_to_zeromqs_limit_and_above_it_end_their
     wait_for(lambda: coordinator.metric("nanguard_bad_message_reasons_total", reason="oversized") == 3,
              "three oversized frames counted")
     # one byte over ZeroMQ's limit: the connection that carried it is closed before nanguard reads it
-    # (no memory spent); nothing is counted, and whatever else was in flight on it is lost with it
+    # (no memory spent), so it is never counted. What the peer sent after it is lost with the
+    # connection when its ZeroMQ had already written it, or delivered after the reconnect when it
+    # was still queued (a matter of timing): at most that one more message, and not as oversized
     sock.send_multipart([b"y" * (MAX_FRAME_BYTES + 1)])
-    sock.send_multipart([b"lost with the connection"])
+    sock.send_multipart([b"after the frame over the limit"])
     time.sleep(1.0)
-    assert coordinator.metric("nanguard_bad_messages_total") == 3
+    assert coordinator.metric("nanguard_bad_message_reasons_total", reason="oversized") == 3
+    assert coordinator.metric("nanguard_bad_messages_total") in (3, 4)
     # the peer's ZeroMQ reconnects by itself; what it sends then is read (and counted) again
     wait_for(lambda: sock.send_multipart([b"x" * (MAX_BYTES + 1)]) or
              coordinator.metric("nanguard_bad_message_reasons_total", reason="oversized") >= 4,
