@@ -8,6 +8,7 @@ the same model, timed in the same rounds as the plain loop, in rotating order:
     python benchmarks/compare.py --model hf-gpt2 --repo before=/tmp/old --repo after=.
 
 Prints, per checkout, the median over rounds of (its step time / plain's) and the quartiles.
+``--floor`` adds overhead.py's ``probe-floor`` variant: hooks that only probe, the floor of the design.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--repo", action="append", required=True, metavar="NAME=PATH",
                         help="a checkout to compare (repeat)")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--floor", action="store_true",
+                        help="time overhead.py's probe-floor variant too (hooks that only probe)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = overhead.MODELS[args.model]
@@ -57,6 +60,8 @@ def main() -> None:
             if not name.isidentifier() or not (Path(path) / "nanguard").is_dir():
                 parser.error(f"--repo {item!r}: expected NAME=PATH, PATH a checkout with a nanguard/ folder")
             variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)))
+        if args.floor:
+            variants["probe-floor"] = overhead.VARIANTS["probe-floor"]
         runners = {k: overhead.Runner(spec, v, torch.device("cpu")) for k, v in variants.items()}
         for runner in runners.values():
             runner.timed_steps(spec.warmup)

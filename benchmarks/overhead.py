@@ -242,6 +242,41 @@ def attach_nanguard(**overrides) -> Callable[..., Detach]:
     return attach
 
 
+def attach_probe_floor(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
+    """The floor of per-module probing: a forward hook on every module (plain ``nn.Sequential``
+    left out, as nanguard does) that writes its output's minimum and maximum into places made in
+    advance, as nanguard's probe does, and one read of them per optimizer step. No identity
+    tracking, inputs, gradients, buffers, RNG or decision: what is left of nanguard's cost when
+    everything but the probes is taken away."""
+    size = 1 << 14
+    places: dict[tuple[torch.dtype, torch.device], list] = {}  # [buffer, its 0-d views, used]
+
+    def hook(module: nn.Module, args, output) -> None:
+        if type(output) is not torch.Tensor or not output.is_floating_point() or not output.numel():
+            return
+        key = (output.dtype, output.device)
+        if key not in places:
+            with torch.inference_mode(False), torch.no_grad():
+                buffer = torch.empty(size, dtype=output.dtype, device=output.device)
+            places[key] = [buffer, buffer.unbind(), 0]
+        entry = places[key]
+        used = entry[2] % size
+        entry[2] = used + 2
+        with torch.no_grad():
+            torch.aminmax(output, out=(entry[1][used], entry[1][used + 1]))
+
+    def read(optimizer, args, kwargs) -> None:
+        pieces = [entry[0][:min(entry[2], size)].float() for entry in places.values() if entry[2]]
+        if pieces:
+            torch.cat(pieces).tolist()  # the one device-to-host read of the step
+        for entry in places.values():
+            entry[2] = 0
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m) is not nn.Sequential]
+    handles.append(opt.register_step_pre_hook(read))
+    return lambda: [h.remove() for h in handles]
+
+
 def attach_naive_hooks(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
     """Forward hooks as tutorials write them: one blocking check per module output."""
     def check(module: nn.Module, inputs, output) -> None:
@@ -277,6 +312,7 @@ VARIANTS = {
         Variant("nanguard capture=False", attach_nanguard(capture=False), needs_nanguard=True),
         Variant("detect_anomaly", step_context=anomaly_mode),
         Variant("naive-hooks", attach_naive_hooks),
+        Variant("probe-floor", attach_probe_floor),
     )
 }
 TARGET_VARIANT = "nanguard"

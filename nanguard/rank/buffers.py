@@ -34,6 +34,8 @@ class Buffers:
         self._versions: dict[str, tuple[int, int]] = {}
         """the version (and identity) each buffer had when the step began"""
         self._kept: dict[str, torch.Tensor] = {}
+        self._spares: list[tuple[weakref.ref, torch.Tensor]] = []
+        """(buffer, the place its copy is written to) of the buffers kept last step"""
 
     def attach(self, module: nn.Module, qualified: str) -> None:
         tracks = isinstance(module, _NORMS) and getattr(module, "track_running_stats", False)
@@ -55,21 +57,32 @@ class Buffers:
         return current
 
     def step_started(self) -> None:
-        """Keep what this step may write (no host sync: device copies, made in one call)."""
+        """Keep what this step may write (no host sync: device copies, in one call)."""
         if not self._owners:
             return
         current = self._current()
         self._versions = {q: (version_of(b), id(b)) for q, _, _, b in current}
         keep = [(q, b) for q, _, _, b in current if not self._learned or q in self._written]
-        with torch.no_grad():
-            # x * 1 is x exactly for numbers (-0.0, NaN and Inf included; denormals too unless
-            # torch.set_flush_denormal is on): a copy of every buffer from one fused call, where a
-            # clone() per buffer costs a Python call each (45 a step for a small ResNet); a bool
-            # buffer would become int64, so it is cloned
-            fused = [(q, b) for q, b in keep if b.dtype is not torch.bool]
-            copies = torch._foreach_mul([b for _, b in fused], 1) if fused else []
-            self._kept = {q: copy for (q, _), copy in zip(fused, copies)}
-            self._kept.update((q, b.detach().clone()) for q, b in keep if b.dtype is torch.bool)
+        self._kept = dict(zip([q for q, _ in keep], self._copies([b for _, b in keep])))
+
+    def _copies(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``buffers``, written into the same places as last step's when they are the
+        same buffers (one fused copy, no new tensor: a tensor made at the start of a step costs
+        several times its cost alone here, and 45 of them took 3 % of a small ResNet's step)."""
+        spares = self._spares
+        # (copies made outside inference mode: a step in inference mode first must not leave
+        # places that a training step cannot write)
+        with torch.no_grad(), torch.inference_mode(False):
+            if len(spares) == len(buffers) and all(ref() is b for (ref, _), b in zip(spares, buffers)):
+                copies = [copy for _, copy in spares]
+                try:
+                    if copies:
+                        torch._foreach_copy_(copies, buffers)
+                    return copies
+                except RuntimeError:
+                    pass  # a buffer changed its shape in place, or a kind foreach does not take
+            self._spares = [(weakref.ref(b), b.detach().clone()) for b in buffers]
+        return [copy for _, copy in self._spares]
 
     def written(self) -> list[tuple[str, torch.Tensor]]:
         """The floating buffers this step may have written; learns which buffers steps write."""
@@ -98,6 +111,7 @@ class Buffers:
                     buffer.copy_(kept)
                 else:  # the forward replaced it: the old tensor goes back
                     module._buffers[name] = kept
+                    self._spares = []  # that copy is the module's own now
                 restored.append(qualified)
         return restored
 

@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_compare_times_each_checkout_against_plain_in_the_same_rounds():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--model", "mlp",
-                             "--rounds", "2", "--repo", f"one={ROOT}", "--repo", f"two={ROOT}"],
+                             "--rounds", "2", "--repo", f"one={ROOT}", "--repo", f"two={ROOT}", "--floor"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    ratios = dict(re.findall(r"^\s+(one|two)\s+median (\d+\.\d+)", result.stdout, re.MULTILINE))
-    assert set(ratios) == {"one", "two"} and all(0.5 < float(r) < 5 for r in ratios.values())
+    ratios = dict(re.findall(r"^\s+(one|two|probe-floor)\s+median (\d+\.\d+)", result.stdout, re.MULTILINE))
+    assert set(ratios) == {"one", "two", "probe-floor"} and all(0.5 < float(r) < 5 for r in ratios.values())
 
 
 def test_compare_refuses_a_path_without_a_package():

@@ -42,6 +42,13 @@ def train(model, optimizer, steps=1):
         optimizer.step()
 
 
+def step(model, optimizer):
+    """One step on a batch of 8 rows of 4 features."""
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("bad", [1, 20, 79])
 def test_more_probes_than_any_earlier_step_grow_the_places_and_keep_the_order(bad):
     # 80 modules, two probes each (the Poison and its Linear): past the 64 places made first
@@ -169,3 +176,66 @@ def test_a_model_under_torch_func_transforms_runs_and_is_checked_outside_them():
         with pytest.raises(nanguard.NonFiniteError) as info:
             model(torch.randn(4, 8))
     assert info.value.event.layer == "2"
+
+
+def test_steady_steps_copy_the_buffers_into_the_same_places_and_still_put_them_back():
+    # BatchNorm's statistics are kept at every step start: written into last step's copies (one
+    # fused copy), not cloned; a first forward in inference mode leaves copies a training step can
+    # write, and a skipped step still gets its buffers back
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    with nanguard.init(model, optimizer, on_nan="skip", capture=False) as guard:
+        model.eval()
+        with torch.inference_mode():
+            model(torch.randn(8, 4))
+        model.train()
+        step(model, optimizer)
+        step(model, optimizer)
+        with Ops() as ops:
+            step(model, optimizer)
+        before = {name: b.clone() for name, b in model.named_buffers()}
+        model[2].bias.data.fill_(float("nan"))
+        step(model, optimizer)
+    assert ops.names.count("aten._foreach_copy_.default") == 1
+    assert not any(n.startswith(("aten.clone", "aten._foreach_mul")) for n in ops.names)
+    assert guard.skipped_steps == 1
+    assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
+
+
+class Ema(nn.Module):
+    """Replaces its buffer with a new tensor at every forward, as running averages often do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.ema = 0.9 * self.ema + 0.1 * out.detach().mean(0)
+        return out
+
+
+def test_a_buffer_replaced_at_every_forward_is_put_back_after_a_skipped_step_and_steps_go_on():
+    torch.manual_seed(0)
+    model = Ema()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    with nanguard.init(model, optimizer, on_nan="skip", capture=False) as guard:
+        for _ in range(3):
+            step(model, optimizer)
+        kept = model.ema.clone()
+        model.lin.bias.data.fill_(float("nan"))
+        step(model, optimizer)
+        assert torch.equal(model.ema, kept) and guard.skipped_steps == 1
+        with torch.no_grad():
+            model.lin.bias.zero_()
+        for _ in range(3):
+            step(model, optimizer)  # the put-back tensor is the module's own now: later steps keep copies of their own
+            assert torch.isfinite(model.ema).all()
+        kept = model.ema.clone()
+        model.lin.bias.data.fill_(float("nan"))
+        step(model, optimizer)
+    assert torch.equal(model.ema, kept) and guard.skipped_steps == 2
