@@ -252,6 +252,8 @@ def attach_probe_floor(model: nn.Module, opt: torch.optim.Optimizer, **workload)
     places: dict[tuple[torch.dtype, torch.device], list] = {}  # [buffer, its 0-d views, used]
 
     def hook(module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return  # its Python state would make Dynamo recompile at every call: not a floor there
         if type(output) is not torch.Tensor or not output.is_floating_point() or not output.numel():
             return
         key = (output.dtype, output.device)
