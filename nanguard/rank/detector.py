@@ -177,10 +177,7 @@ class Detector:
             self._kept_bytes += size
             kept = local
         log = self.log
-        try:
-            version = tensor._version  # records.version_of, inlined: once per probe
-        except RuntimeError:
-            version = version_of(tensor)  # an inference tensor
+        version = version_of(tensor)
         pos = -1
         if not lazy:
             values, slots = (log.evidence, log.evidence_slots) if role == IN else (log.values, log.value_slots)

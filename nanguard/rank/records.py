@@ -108,9 +108,10 @@ class Catalog:
 class _Places:
     """One buffer of a dtype and device, and its 0-d views (made once per size)."""
 
-    __slots__ = ("buffer", "views", "used")
+    __slots__ = ("key", "buffer", "views", "used")
 
     def __init__(self, like: torch.Tensor):
+        self.key = (like.dtype, like.device)
         self.used = 0
         self.buffer = self.views = None
         self.grow(64, like)
@@ -137,13 +138,12 @@ class Slots:
     (``in_order``). A value written elsewhere (a compiled graph's probe) makes the step's values
     stacked as they are instead (``vector``)."""
 
-    __slots__ = ("_places", "_last", "_key", "_order", "used")
+    __slots__ = ("_places", "_last", "_order", "used")
 
     def __init__(self):
         self._places: dict[tuple[torch.dtype, torch.device], _Places] = {}
         self._last: _Places | None = None
         """the places the last probe wrote into (most probes share their dtype and device)"""
-        self._key: tuple[torch.dtype, torch.device] | None = None
         self._order: list[_Places] = []
         """where each pair went, in probe order, when the step uses more than one buffer"""
         self.used = 0
@@ -152,7 +152,7 @@ class Slots:
     def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two 0-d views to write ``like``'s extremes into (the next two places of its dtype and device)."""
         places = self._last
-        if places is None or like.dtype is not self._key[0] or like.device != self._key[1]:
+        if places is None or like.dtype is not places.key[0] or like.device != places.key[1]:
             places = self._switch(like)
         used = places.used
         if used + 2 > len(places.views):
@@ -171,7 +171,7 @@ class Slots:
         if self._last is not None and places is not self._last and not self._order:
             # a second buffer this step: from now on every pair's buffer is noted
             self._order = [self._last] * (self.used // 2)
-        self._last, self._key = places, key
+        self._last = places
         return places
 
     def vector(self, values: list[torch.Tensor]) -> torch.Tensor | None:
@@ -181,7 +181,7 @@ class Slots:
         if not values:
             return None
         if self.used != len(values):
-            self._order = []
+            self._order = []  # stacked as they are: in probe order already
             return stack(values)
         if not self._order:
             return self._last.buffer[:self.used]
@@ -194,12 +194,12 @@ class Slots:
         start, at = 0, {}
         for places in self._places.values():
             if places.used:
-                at[id(places)] = start
+                at[places] = start  # where its slice begins in what vector() joined
                 start += places.used
         ordered = []
         for places in self._order:
-            i = at[id(places)]
-            at[id(places)] = i + 2
+            i = at[places]
+            at[places] = i + 2
             ordered += read[i:i + 2]
         return ordered
 
