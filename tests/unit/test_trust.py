@@ -10,10 +10,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_guard import GradFault
 from torch import nn
 
 import nanguard
+from nanguard.rank.detector import FINITE_PRESERVING
 
 
 class MaskedAttention(nn.Module):
@@ -74,6 +77,76 @@ def test_a_huge_finite_tensor_is_never_read_as_non_finite_nor_blamed():
     assert event.step == 2 and event.layer == "2" and event.input_nonfinite is False
     assert event.has_nan and "born in this module" in event.message
     assert [e.layer for e in guard.events] == ["2"]  # the huge, finite steps read clean
+
+
+def _finite_preserving_instance(cls: type) -> nn.Module:
+    if issubclass(cls, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+        return cls(2)
+    if issubclass(cls, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+        return cls(2)
+    if cls is nn.Unflatten:
+        return cls(-1, (2, 4))
+    return cls(dim=-1) if cls is nn.Softmax else cls()
+
+
+@pytest.mark.parametrize("cls", sorted(FINITE_PRESERVING, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_what_is_passed_unchecked_as_finite_preserving_is_so_for_every_finite_input(cls, data):
+    """Modules whose outputs are not probed (their input's probe covers them) must make a finite
+    output of every finite input, the extremes of every floating dtype included."""
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]))
+    big = torch.finfo(dtype).max
+    extremes = st.sampled_from([big, -big, big / 2, -big / 6, torch.finfo(dtype).tiny, 0.0, -0.0])
+    values = data.draw(st.lists(extremes | st.floats(-big, big, allow_nan=False), min_size=8, max_size=8))
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    x = torch.where(x.isfinite(), x, torch.zeros((), dtype=dtype))  # rounding to a narrow dtype
+    shape = {"1d": (1, 1, 8), "2d": (1, 1, 2, 4), "3d": (1, 1, 2, 2, 2)}.get(cls.__name__[-2:], (1, 8))
+    out = _finite_preserving_instance(cls)(x.reshape(shape))
+    assert out.isfinite().all(), (cls.__name__, dtype, x.tolist(), out.flatten().tolist())
+
+
+class ScaledGELU(nn.GELU):
+    """A subclass of a finite-preserving activation that writes its own forward: it is checked."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return super().forward(x) / self.scale
+
+
+class Overflowing(nn.Module):
+    def __init__(self, activation: nn.Module):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(4, 8), activation, nn.Linear(8, 2)
+        self.huge = False
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(self.act(h.abs() + 2.5e38 if self.huge else h))
+
+
+@pytest.mark.parametrize("case", ["subclass", "gelu-overflow", "hardswish-overflow"])
+def test_an_activation_that_makes_the_first_inf_is_named_not_the_layer_after_it(case):
+    torch.manual_seed(0)
+    model = Overflowing({"subclass": ScaledGELU(), "gelu-overflow": nn.GELU(),
+                         "hardswish-overflow": nn.Hardswish()}[case])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer) as guard:
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        if case == "subclass":
+            model.act.scale = 0.0
+        else:
+            model.huge = True  # finite (2.5e38 < 3.4e38): the activation's own arithmetic overflows
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+    event = info.value.event
+    assert (event.layer, event.input_nonfinite, event.output_nonfinite) == ("act", False, True), event
+    assert [e.layer for e in guard.events] == ["act"]
 
 
 @pytest.mark.parametrize("rewrite", ["clip_grad_norm_", "unscale"])
