@@ -73,14 +73,18 @@ class Buffers:
         # (copies made outside inference mode: a step in inference mode first must not leave
         # places that a training step cannot write)
         with torch.no_grad(), torch.inference_mode(False):
-            if len(spares) == len(buffers) and all(ref() is b for (ref, _), b in zip(spares, buffers)):
+            # the same buffers, as they were: one resized or retyped in place (.data =, resize_)
+            # would be broadcast or cast into its old place, and could not be put back as it was
+            if len(spares) == len(buffers) and all(
+                    ref() is b and c.shape == b.shape and c.dtype == b.dtype
+                    for (ref, c), b in zip(spares, buffers)):
                 copies = [copy for _, copy in spares]
                 try:
                     if copies:
                         torch._foreach_copy_(copies, buffers)
                     return copies
                 except RuntimeError:
-                    pass  # a buffer changed its shape in place, or a kind foreach does not take
+                    pass  # a kind of tensor foreach does not take
             self._spares = [(weakref.ref(b), b.detach().clone()) for b in buffers]
         return [copy for _, copy in self._spares]
 
@@ -108,7 +112,11 @@ class Buffers:
                 if kept is None:
                     continue
                 if id(buffer) == self._versions[qualified][1]:
-                    buffer.copy_(kept)
+                    if buffer.shape == kept.shape and buffer.dtype == kept.dtype:
+                        buffer.copy_(kept)
+                    else:  # resized or retyped in place: the same tensor takes back the old data
+                        buffer.data = kept
+                        self._spares = []
                 else:  # the forward replaced it: the old tensor goes back
                     module._buffers[name] = kept
                     self._spares = []  # that copy is the module's own now

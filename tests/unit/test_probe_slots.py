@@ -239,3 +239,54 @@ def test_a_buffer_replaced_at_every_forward_is_put_back_after_a_skipped_step_and
         model.lin.bias.data.fill_(float("nan"))
         step(model, optimizer)
     assert torch.equal(model.ema, kept) and guard.skipped_steps == 2
+
+
+class Shrinking(nn.Module):
+    """Resizes and retypes its buffer in place (the same tensor object) at one step: what the
+    step began with must still be put back, bit for bit, with its shape and dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stat", torch.arange(4, dtype=torch.float32) / 3)
+        self.change = None
+
+    def forward(self, x):
+        out = self.lin(x)
+        if self.change == "shrink":
+            self.stat.resize_(1)  # a (1,) copy would broadcast silently into a (4,) place
+        elif self.change == "retype":
+            self.stat.data = self.stat.data.double()  # float32 -> float64, same tensor object
+        self.change = None
+        with torch.no_grad():
+            self.stat.add_(out.mean().double() / 3)  # in float64, more than float32 holds
+        return out
+
+
+@pytest.mark.parametrize("change", ["shrink", "retype"])
+@pytest.mark.parametrize("when", ["step before", "bad step"])
+def test_a_buffer_resized_or_retyped_in_place_is_put_back_as_it_was(change, when):
+    torch.manual_seed(0)
+    model = Shrinking()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="skip", capture=False) as guard:
+        for _ in range(3):
+            step(model, optimizer)
+        if when == "step before":
+            model.change = change
+            step(model, optimizer)  # the buffer changes here: the next step starts from it
+        kept = model.stat.clone()
+        buffer = model.stat
+        model.lin.bias.data.fill_(float("nan"))
+        model.change = change if when == "bad step" else None
+        step(model, optimizer)
+        assert guard.skipped_steps == 1
+        assert model.stat is buffer
+        assert model.stat.dtype == kept.dtype and model.stat.shape == kept.shape
+        assert torch.equal(model.stat, kept)
+        with torch.no_grad():
+            model.lin.bias.zero_()
+        for _ in range(2):  # steps go on from the buffer put back
+            step(model, optimizer)
+        assert model.stat.shape == kept.shape and torch.isfinite(model.stat).all()
+        assert guard.skipped_steps == 1
