@@ -12,10 +12,11 @@ What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
   that is just a child's output is recognised and not checked again; a plain ``nn.Sequential``,
   whose output always is, is not hooked at all);
-- the inputs of a module, unless they are outputs already probed and not modified in place
-  since (so a value born in code *between* modules is told apart from one born inside). These are
-  evidence, not faults: models pass -inf on purpose (additive attention masks), so a non-finite
-  input never stops a step by itself; it tells where a value that did reach an output came from;
+- the inputs of a module, positional and keyword, unless they are outputs already probed and not
+  modified in place since (so a value born in code *between* modules is told apart from one born
+  inside). These are evidence, not faults: models pass -inf on purpose (additive attention masks),
+  so a non-finite input never stops a step by itself; it tells where a value that did reach an
+  output came from;
 - the root module's inputs (the batch, evidence too, checked only once a step is bad), tensors
   given to ``Guard.check``, and each DDP gradient bucket before its all-reduce;
 - the parameters' gradients as the backward pass leaves them (``StepLog.produced``), before the
@@ -127,13 +128,12 @@ class Detector:
             # them; an output that is a child's output again is recognised and not re-checked.
             leaf = next(module.children(), None) is None or any(
                 p is not None for p in module._parameters.values())
-            # Keyword tensors of non-root modules are not looked at: hooks that take kwargs cost
-            # several microseconds more per call. A value passed by keyword is still caught at the
-            # output it poisons.
             if type(module) is nn.Sequential:
                 continue  # in and out are its first and last child's, probed there (a subclass is hooked)
+            # with its keyword arguments: transformers' layers pass tensors by keyword
+            # (self_attn(hidden_states=..., attention_mask=...)), a value born before is told apart
             hook = forward_hook(self, slot, mode, leaf, named=module is root)
-            self._handles.append(module.register_forward_hook(hook))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
                 self.backward.watch_ddp(module)
@@ -300,7 +300,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
 
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         if is_compiling():
             # Inside a compiled graph only tensor math and list appends (no graph break),
             # and only leaves: without identity tracking a container would re-check.
@@ -310,7 +310,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
                         log.values.extend(probe(tensor))
                         log.records.append(compiled)
             return None
-        if type(output) is tensor_type and len(args) == 1 and type(args[0]) is tensor_type and \
+        if type(output) is tensor_type and len(args) == 1 and not kwargs and type(args[0]) is tensor_type and \
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined
             x = args[0]
@@ -333,7 +333,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
         if mode == SKIP_MODE:
             detector._mark_seen(outputs)
             return None
-        for tensor in unchecked(floating_tensors(args)):
+        for tensor in unchecked(floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)):
             add(tensor, IN, slot)
         if mode == PASS_MODE:
             detector._mark_seen(outputs)

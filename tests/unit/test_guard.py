@@ -80,6 +80,45 @@ def test_value_born_between_modules_blames_the_parent_code():
     assert "forward code of 1" in event.message
 
 
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, gate):
+        return self.proj(hidden_states) * gate
+
+
+class ByKeyword(nn.Module):
+    """Passes what its own code computed to a child by keyword, as transformers' layers call
+    their attention (``self.self_attn(hidden_states=..., attention_mask=...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.gated = Gated()
+        self.armed = False
+
+    def forward(self, x):
+        h = self.a(x)
+        gate = torch.log(h.detach().abs() - 1e3) if self.armed else torch.sigmoid(h.detach())
+        return self.gated(hidden_states=h, gate=gate)
+
+
+def test_a_value_born_between_modules_and_passed_by_keyword_blames_the_parent_code():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ByKeyword())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        train_step(model, optimizer, guard)
+        model[1].armed = True
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            train_step(model, optimizer, guard)
+    event = info.value.event
+    assert (event.layer, event.input_nonfinite, event.output_nonfinite) == ("1.gated", True, True)
+    assert "forward code of 1" in event.message
+
+
 def test_nan_only_in_the_loss_with_check(mlp):
     model, optimizer, guard = mlp
     loss = model(torch.randn(5, 8)).sum() * math.inf * 0
