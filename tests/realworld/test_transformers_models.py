@@ -1,4 +1,4 @@
-"""transformers' GPT-2, BERT and T5 (tiny configs, no downloads) with a fault at a known place.
+"""transformers' GPT-2, BERT, T5 and Llama (tiny configs, no downloads) with a fault at a known place.
 
 Every expected answer comes from the oracles (our own hooks), never from nanguard.
 """
@@ -15,7 +15,7 @@ import nanguard
 from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
                      until_stop)
 from oracles import ForwardOracle
-from zoo import bert, gpt2, t5, token_batch
+from zoo import bert, gpt2, llama, t5, token_batch
 
 needs("transformers")
 
@@ -252,3 +252,40 @@ def test_t5_nan_weight_in_the_decoder_feed_forward():
     assert (event.input_nonfinite, event.output_nonfinite) == (False, True)
     assert_untouched(before, model, optimizer)
     assert_incident_holds(err, before)
+
+
+@pytest.mark.parametrize("fault", ["inf weight", "overflow in attention code"])
+def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(fault):
+    """A weight of the feed-forward turned +inf is born in down_proj; queries and keys so large
+    that their scores overflow make the NaN in the attention's own code (scaled_dot_product_attention,
+    no module), which o_proj only receives: the report must tell the two apart."""
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    layer = model.model.layers[1]
+
+    def arm(i):
+        if i == 1:
+            with torch.no_grad():
+                if fault == "inf weight":
+                    layer.mlp.down_proj.weight[3, 5] = math.inf
+                else:  # finite queries and keys whose products pass float32's range
+                    layer.self_attn.q_proj.weight.mul_(1e25)
+                    layer.self_attn.k_proj.weight.mul_(1e25)
+
+    with nanguard.init(model, optimizer):
+        oracle = ForwardOracle(model)
+        step, err, before = until_stop(lm_step(model, optimizer), model, optimizer, steps=3, arm=arm,
+                                       oracles=[oracle])
+        oracle.close()
+    truth = oracle.producer()
+    event = err.event
+    assert (step, event.step, event.kind) == (1, 1, "forward")
+    assert (event.layer, event.module_type) == (truth.name, truth.module_type)
+    assert event.input_nonfinite is (not truth.inputs_finite)
+    if fault == "inf weight":
+        assert (truth.name, truth.inputs_finite) == ("model.layers.1.mlp.down_proj", True)
+        assert "parameter(s) weight" in event.message
+    else:
+        assert (truth.name, truth.inputs_finite) == ("model.layers.1.self_attn.o_proj", False)
+        assert "forward code of model.layers.1.self_attn" in event.message
+    assert_untouched(before, model, optimizer)

@@ -88,6 +88,17 @@ def t5() -> nn.Module:
         num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
 
 
+def llama() -> nn.Module:
+    """transformers' Llama: RMSNorm, rotary embeddings handed to the attention by keyword, grouped
+    key/value heads, SwiGLU; the layers call their attention as self_attn(hidden_states=...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa"))
+
+
 # ------------------------------------------------------------------ timm
 class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves an empty ``torchvision`` (and any ``torchvision.*``) whose attributes are
