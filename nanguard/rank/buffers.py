@@ -36,6 +36,8 @@ class Buffers:
         self._kept: dict[str, torch.Tensor] = {}
         self._spares: list[tuple[weakref.ref, torch.Tensor]] = []
         """(buffer, the place its copy is written to) of the buffers kept last step"""
+        self._layout: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
+        """their shapes and dtypes"""
 
     def attach(self, module: nn.Module, qualified: str) -> None:
         tracks = isinstance(module, _NORMS) and getattr(module, "track_running_stats", False)
@@ -75,9 +77,8 @@ class Buffers:
         with torch.no_grad(), torch.inference_mode(False):
             # the same buffers, as they were: one resized or retyped in place (.data =, resize_)
             # would be broadcast or cast into its old place, and could not be put back as it was
-            if len(spares) == len(buffers) and all(
-                    ref() is b and c.shape == b.shape and c.dtype == b.dtype
-                    for (ref, c), b in zip(spares, buffers)):
+            if len(spares) == len(buffers) and all(ref() is b for (ref, _), b in zip(spares, buffers)) \
+                    and [b.shape for b in buffers] == self._layout[0] and [b.dtype for b in buffers] == self._layout[1]:
                 copies = [copy for _, copy in spares]
                 try:
                     if copies:
@@ -86,6 +87,7 @@ class Buffers:
                 except RuntimeError:
                     pass  # a kind of tensor foreach does not take
             self._spares = [(weakref.ref(b), b.detach().clone()) for b in buffers]
+            self._layout = ([b.shape for b in buffers], [b.dtype for b in buffers])
         return [copy for _, copy in self._spares]
 
     def written(self) -> list[tuple[str, torch.Tensor]]:

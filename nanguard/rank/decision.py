@@ -22,7 +22,7 @@ from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
 from . import diagnose, forensics
-from .backward import grad_norms, gradients
+from .backward import gradient_norms
 from .detector import Detector
 from .diagnose import Finding
 from .records import Slots, concat, stack
@@ -229,8 +229,7 @@ class Decider:
             return [], []
         produced = self.detector.log.produced
         if produced is None:
-            owners, grads = gradients(params(optimizer))
-            return owners, grad_norms(grads)
+            return gradient_norms(params(optimizer))
         return produced
 
     def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,

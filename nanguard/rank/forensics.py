@@ -30,7 +30,7 @@ def is_finite(tensor: torch.Tensor) -> bool:
     finite (a NaN or an Inf makes any sum non-finite); a sum that is not (or overflowed) is
     settled by the extremes, where a NaN or an Inf always shows. ``isfinite().all()`` is 20 to
     100 times slower on a CPU (MEASURED.md)."""
-    tensor = plain(tensor)
+    tensor = _stored(plain(tensor))
     if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.layout != torch.strided:
         return True
     if tensor.device.type == "meta":
@@ -49,6 +49,8 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
     """
     original = tensor
     tensor = plain(tensor)
+    if tensor.layout is torch.sparse_coo:
+        return _describe_sparse(tensor)
     fields: dict[str, Any] = {
         "shape": tuple(shape if shape is not None else original.shape),
         "dtype": str(original.dtype).removeprefix("torch."),
@@ -81,6 +83,22 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
             finite_max=float(finite.max()),
             finite_mean=float(finite.double().mean()),
         )
+    return fields
+
+
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a sparse COO tensor stores (a sparse embedding's gradient), else the tensor."""
+    return tensor.coalesce().values() if tensor.layout is torch.sparse_coo else tensor
+
+
+def _describe_sparse(tensor: torch.Tensor) -> dict[str, Any]:
+    """``describe`` of the values a sparse COO tensor stores, its first bad one indexed in the
+    whole tensor (the elements it does not store are zeros)."""
+    tensor = tensor.coalesce()
+    fields = describe(tensor.values()) | {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+    if "first_index" in fields:
+        row, *inner = fields["first_index"]
+        fields["first_index"] = (*(int(i) for i in tensor.indices()[:, row]), *inner)
     return fields
 
 

@@ -57,3 +57,19 @@ def test_describe_and_is_finite_agree_with_a_plain_python_oracle(values, dtype, 
         assert got["first_index"] == divmod(want["first"], len(values))
     if want["finite"] and want["bad_count"]:
         assert got["finite_min"] == min(want["finite"]) and got["finite_max"] == max(want["finite"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+       values=st.lists(st.sampled_from(SPECIALS), min_size=18, max_size=18))
+def test_a_sparse_gradient_is_described_by_the_values_it_stores(rows, values):
+    """A sparse embedding gradient (uncoalesced: a row may repeat) reads as its dense self does:
+    the same NaN and Inf counts, the same first bad element; is_finite agrees."""
+    stored = torch.tensor(values[:len(rows) * 3], dtype=torch.float32).reshape(len(rows), 3)
+    sparse = torch.sparse_coo_tensor(torch.tensor([rows]), stored, (6, 3))
+    dense = sparse.to_dense()
+    got, want = forensics.describe(sparse), forensics.describe(dense)
+    assert got["shape"] == (6, 3) and got["dtype"] == "float32"
+    assert (got["nan_count"], got["inf_count"]) == (want["nan_count"], want["inf_count"])
+    assert got.get("first_index") == want.get("first_index")
+    assert forensics.is_finite(sparse) == forensics.is_finite(dense)

@@ -163,6 +163,31 @@ def test_nan_born_in_backward_names_first_parameter_in_backward_order():
     assert_same_state(model, optimizer, saved)
 
 
+@pytest.mark.parametrize("kind", ["sparse", "create_graph"])
+def test_unusual_gradients_are_checked_too(kind):
+    """A sparse embedding's gradient (SGD takes it as it is) and gradients that carry their own
+    graph (backward(create_graph=True), as gradient penalties do): clean steps stay clean, and a
+    NaN born in their backward names the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8, sparse=kind == "sparse"), GradFault(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        for step in range(4):
+            model[1].armed = step == 3
+            loss = model(torch.tensor([3, 1, 9, 3, 7])).pow(2).mean()
+            try:
+                loss.backward(create_graph=kind == "create_graph")
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+            for param in model.parameters():
+                param.grad = None
+    assert [e.step for e in guard.events] == [3]
+    assert (event.kind, event.layer, event.shape) == ("grad", "0.weight", (10, 8))
+    # the rows the batch used, 1, 3, 7 and 9 (all a sparse gradient stores), the first at row 1
+    assert event.has_nan and event.nan_count == 4 * 8 and event.first_index == (1, 0)
+
+
 def test_gradient_accumulation_names_the_micro_batch(mlp):
     model, optimizer, guard = mlp
     for step in range(3):
