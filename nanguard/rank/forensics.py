@@ -30,7 +30,7 @@ def is_finite(tensor: torch.Tensor) -> bool:
     finite (a NaN or an Inf makes any sum non-finite); a sum that is not (or overflowed) is
     settled by the extremes, where a NaN or an Inf always shows. ``isfinite().all()`` is 20 to
     100 times slower on a CPU (MEASURED.md)."""
-    tensor = _stored(plain(tensor))
+    tensor = stored(plain(tensor))
     if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.layout != torch.strided:
         return True
     if tensor.device.type == "meta":
@@ -86,7 +86,7 @@ def describe(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> dict
     return fields
 
 
-def _stored(tensor: torch.Tensor) -> torch.Tensor:
+def stored(tensor: torch.Tensor) -> torch.Tensor:
     """The values a sparse COO tensor stores (a sparse embedding's gradient), else the tensor."""
     return tensor.coalesce().values() if tensor.layout is torch.sparse_coo else tensor
 

@@ -193,7 +193,7 @@ def _exact_norm(param: torch.Tensor, norm: float) -> float:
     grad = param.grad
     if grad is None or not forensics.is_finite(grad):
         return norm
-    return float(torch.linalg.vector_norm(forensics.plain(grad).double()))
+    return float(torch.linalg.vector_norm(forensics.stored(forensics.plain(grad)).double()))
 
 
 def model_to_save(roots: list) -> nn.Module | None:

@@ -173,13 +173,15 @@ def test_what_the_loop_does_to_gradients_after_backward_cannot_move_the_blame(re
     assert guard.step == 1
 
 
-def test_a_gradient_norm_past_float_range_still_warns():
+@pytest.mark.parametrize("layer", ["linear", "sparse embedding"])
+def test_a_gradient_norm_past_float_range_still_warns(layer):
     torch.manual_seed(0)
-    model = nn.Linear(64, 64)
+    model = nn.Linear(64, 64) if layer == "linear" else nn.Embedding(64, 64, sparse=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with nanguard.init(model, optimizer, grad_norm_warn=1.0) as guard:
-        (model(torch.randn(8, 64)) * 1e37).sum().backward()  # finite gradients, L2 norm > 3.4e38
-        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        batch = torch.randn(8, 64) if layer == "linear" else torch.arange(8)
+        (model(batch) * 1e37).sum().backward()  # finite gradients, L2 norm > 3.4e38
+        assert all(torch.isfinite(p.grad.to_dense()).all() for p in model.parameters())
         optimizer.step()
     warning = next(e for e in guard.events if e.kind == "grad_norm")
     assert math.isfinite(warning.grad_norm) and warning.grad_norm > 1e38
