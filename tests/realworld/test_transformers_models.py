@@ -289,3 +289,32 @@ def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(
         assert (truth.name, truth.inputs_finite) == ("model.layers.1.self_attn.o_proj", False)
         assert "forward code of model.layers.1.self_attn" in event.message
     assert_untouched(before, model, optimizer)
+
+
+def test_the_key_value_cache_decoders_carry_in_training_is_not_probed_layer_after_layer():
+    """GPT-2 hands its DynamicCache (use_cache defaults to True, in training too) to every layer
+    and returns it: the keys and values in it are made inside the attention, whose output is
+    checked. A step probes the same tensors with the cache as without it, at any depth."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reductions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.startswith("aminmax")
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for layers in (2, 4, 6):
+        for use_cache in (False, True):
+            model = gpt2(n_layer=layers)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            with nanguard.init(model, optimizer):
+                lm_step(model, optimizer, use_cache=use_cache)(0)
+                with Reductions() as probes:
+                    lm_step(model, optimizer, use_cache=use_cache)(1)
+            counts[layers, use_cache] = probes.count
+    assert all(counts[layers, True] == counts[layers, False] for layers in (2, 4, 6)), counts
+    assert counts[6, True] - counts[4, True] == counts[4, True] - counts[2, True] > 0, counts  # as many per layer

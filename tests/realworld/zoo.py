@@ -66,8 +66,8 @@ def gpt2(**config: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                      bos_token_id=0, eos_token_id=0, **config))
+    return GPT2LMHeadModel(GPT2Config(**{"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": VOCAB,
+                                         "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0} | config))
 
 
 def bert(hidden: int = 64, **config: Any) -> nn.Module:
