@@ -46,6 +46,10 @@ def test_vit_nan_born_in_the_attention_backward_names_qkv():
     assert (event.step, event.rank, event.kind) == (BAD_STEP, 0, "grad")
     assert event.layer in first and event.has_nan
     assert "born in the backward pass" in event.message
+    # the gradients made just before the first bad one, as the oracle saw them produced, were finite
+    bad_at = next(i for i, (_, ok) in enumerate(grads.order) if not ok)
+    last_good = grads.order[bad_at - 1][0].rsplit(".", 1)[0]
+    assert f"between the gradients of {last_good} (finite) and this one" in event.message, event.message
     assert_untouched(before, model, optimizer)
 
 

@@ -169,7 +169,8 @@ def test_what_the_loop_does_to_gradients_after_backward_cannot_move_the_blame(re
     event = info.value.event
     # born in the backward of GradFault: the first gradient it poisoned is the one of the layer before it
     assert event.kind == "grad" and event.layer == "2.weight", event
-    assert "born in the backward pass" in event.message
+    assert "born in the backward pass between the gradients of 4 (finite) and this one" in event.message
+    assert "without parameters: 3 (GradFault)" in event.message
     assert guard.step == 1
 
 
