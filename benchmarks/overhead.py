@@ -155,9 +155,9 @@ def zoo():
     return module
 
 
-def build_hf_gpt2() -> nn.Module:
+def build_hf_gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64))
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=64, n_head=2, vocab_size=512, n_positions=64))
 
 
 def hf_lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -211,6 +211,11 @@ MODELS = {
                   target=1.05, micro_batches=4, variants=("plain", "nanguard")),
         ModelSpec("hf-gpt2", build_hf_gpt2, token_batch(batch=8, seq=64, vocab=512), hf_lm_loss,
                   steps=10, rounds=12, warmup=5, target=1.05, variants=("plain", "nanguard"), extra="realworld"),
+        # deep and narrow: per-module costs and anything that grows with depth (a key/value cache
+        # handed to every layer) dominate
+        ModelSpec("hf-gpt2-24l", lambda: build_hf_gpt2(layers=24), token_batch(batch=4, seq=32, vocab=512),
+                  hf_lm_loss, steps=5, rounds=12, warmup=3, target=1.05, variants=("plain", "nanguard"),
+                  extra="realworld"),
         ModelSpec("bert-bf16", build_bert, token_batch(batch=8, seq=64, vocab=512), bert_loss,
                   steps=10, rounds=12, warmup=5, target=1.03, autocast=torch.bfloat16,
                   variants=("plain", "nanguard"), extra="realworld"),
