@@ -54,9 +54,7 @@ def _key_value_cache(obj: Any) -> bool:
     and values again (32 layers: 1.33 of plain instead of 1.25). A non-finite key or value reaches
     the attention's output, which is checked; one that reaches nothing (a masked position) harms
     nothing."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
-        return False
+    cache_utils = sys.modules.get("transformers.cache_utils")  # never imported: no cache to meet
     kinds = tuple(k for k in (getattr(cache_utils, "Cache", None), getattr(cache_utils, "CacheLayerMixin", None))
                   if isinstance(k, type))
     return bool(kinds) and isinstance(obj, kinds)

@@ -241,8 +241,7 @@ class Detector:
         log.spans.append((len(log.records), root_slot, micro_batch))
         if self.keep_batches:
             log.batches.append((root_slot, args, kwargs))
-        batch = floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
-        for tensor in self._unchecked(batch):
+        for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):
@@ -291,6 +290,11 @@ class Detector:
         self._forwards.clear()
 
 
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The floating tensors a call was given, positional then keyword."""
+    return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+
+
 def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False):
     """The forward hook of one module (its slot and mode; ``named``: the root, whose output
     fields are named)."""
@@ -333,7 +337,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
         if mode == SKIP_MODE:
             detector._mark_seen(outputs)
             return None
-        for tensor in unchecked(floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)):
+        for tensor in unchecked(call_tensors(args, kwargs)):
             add(tensor, IN, slot)
         if mode == PASS_MODE:
             detector._mark_seen(outputs)

@@ -219,44 +219,34 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                        " in backward order: the gradient entering the model's backward was already"
                        " non-finite, so most likely the loss (or code between the model and the"
                        " loss) made it; guard.check(loss) shows the loss's value"}
-    message = (f"{counted}, this one first in backward order; the forward and the gradients of the"
-               " modules that ran after it were finite, so it was born in the backward pass")
-    after = _last_finite_before(catalog, list(order), slot, owners, norms)
-    if after is not None:
-        message += f" between the gradients of {catalog.slots[after].name} (finite) and this one"
-        between = _ran_between(catalog, log, slot, after)
-        if between:
-            message += f"; what ran between them in the forward, without parameters: {', '.join(between)}"
-    return fields | {"message": message}
+    return fields | {"message": f"{counted}, this one first in backward order; the forward and the gradients"
+                                " of the modules that ran after it were finite, so it was born in the"
+                                f" backward pass{_between(catalog, list(order), slot, owners, norms)}"}
 
 
-def _last_finite_before(catalog: Catalog, order: list[int], slot: int | None, owners: list[torch.Tensor],
-                        norms: list[float]) -> int | None:
-    """The module whose parameters' gradients were made last before ``slot``'s, in backward order,
-    when all of them were finite."""
+def _between(catalog: Catalog, order: list[int], slot: int | None, owners: list[torch.Tensor],
+             norms: list[float], most: int = 4) -> str:
+    """Where in the backward pass the first bad gradient (of ``slot``, in backward ``order``) was
+    born: after the gradients of the module made just before it, when all of those were finite,
+    and through what ran between the two in the forward ("" when that cannot be said)."""
     if slot not in order:
-        return None
+        return ""
     finite: dict[int, bool] = {}
     for param, norm in zip(owners, norms):
         owner = catalog.param_owner.get(id(param))
         if owner is not None:
             finite[owner] = finite.get(owner, True) and math.isfinite(norm)
-    earlier = [s for s in order[:order.index(slot)] if s in finite]
-    return earlier[-1] if earlier and finite[earlier[-1]] else None
-
-
-def _ran_between(catalog: Catalog, log: StepLog, first: int, last: int, most: int = 4) -> list[str]:
-    """Modules (not containers) whose outputs were probed after ``first``'s and before ``last``'s
-    in the step's first forward: the parameterless code a backward value passed through."""
-    began: dict[int, int] = {}
-    for index, record in enumerate(log.records):
-        if record.role == OUT:
-            began.setdefault(record.slot, index)
-    if first not in began or last not in began:
-        return []
-    inside = sorted((i, s) for s, i in began.items()
-                    if began[first] < i < began[last] and not catalog.slots[s].container)
-    return [f"{catalog.slots[s].name} ({catalog.slots[s].module_type})" for _, s in inside[:most]]
+    position = order.index(slot)
+    earlier = [i for i in range(position) if order[i] in finite]
+    if not earlier or not finite[order[earlier[-1]]]:
+        return ""
+    after = order[earlier[-1]]
+    text = f" between the gradients of {catalog.slots[after].name} (finite) and this one"
+    between = [catalog.slots[s] for s in reversed(order[earlier[-1] + 1:position]) if not catalog.slots[s].container]
+    if between:
+        text += "; what ran between them in the forward, without parameters: " + ", ".join(
+            f"{info.name} ({info.module_type})" for info in between[:most])
+    return text
 
 
 def _join(*parts: str | None) -> str:

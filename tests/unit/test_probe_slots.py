@@ -49,6 +49,14 @@ def step(model, optimizer):
     optimizer.zero_grad()
 
 
+def bad_step(model, optimizer):
+    """A step whose ``model.lin`` makes NaN (its bias), then the bias made finite again."""
+    model.lin.bias.data.fill_(float("nan"))
+    step(model, optimizer)
+    with torch.no_grad():
+        model.lin.bias.zero_()
+
+
 @pytest.mark.parametrize("bad", [1, 20, 79])
 def test_more_probes_than_any_earlier_step_grow_the_places_and_keep_the_order(bad):
     # 80 modules, two probes each (the Poison and its Linear): past the 64 places made first
@@ -227,17 +235,13 @@ def test_a_buffer_replaced_at_every_forward_is_put_back_after_a_skipped_step_and
         for _ in range(3):
             step(model, optimizer)
         kept = model.ema.clone()
-        model.lin.bias.data.fill_(float("nan"))
-        step(model, optimizer)
+        bad_step(model, optimizer)
         assert torch.equal(model.ema, kept) and guard.skipped_steps == 1
-        with torch.no_grad():
-            model.lin.bias.zero_()
         for _ in range(3):
             step(model, optimizer)  # the put-back tensor is the module's own now: later steps keep copies of their own
             assert torch.isfinite(model.ema).all()
         kept = model.ema.clone()
-        model.lin.bias.data.fill_(float("nan"))
-        step(model, optimizer)
+        bad_step(model, optimizer)
     assert torch.equal(model.ema, kept) and guard.skipped_steps == 2
 
 
@@ -277,15 +281,12 @@ def test_a_buffer_resized_or_retyped_in_place_is_put_back_as_it_was(change, when
             step(model, optimizer)  # the buffer changes here: the next step starts from it
         kept = model.stat.clone()
         buffer = model.stat
-        model.lin.bias.data.fill_(float("nan"))
         model.change = change if when == "bad step" else None
-        step(model, optimizer)
+        bad_step(model, optimizer)
         assert guard.skipped_steps == 1
         assert model.stat is buffer
         assert model.stat.dtype == kept.dtype and model.stat.shape == kept.shape
         assert torch.equal(model.stat, kept)
-        with torch.no_grad():
-            model.lin.bias.zero_()
         for _ in range(2):  # steps go on from the buffer put back
             step(model, optimizer)
         assert model.stat.shape == kept.shape and torch.isfinite(model.stat).all()
