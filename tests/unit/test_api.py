@@ -3,12 +3,14 @@
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
 import nanguard
+from nanguard.rank import records
 from conftest import make_mlp, train_step
 
 
@@ -116,8 +118,11 @@ def test_bare_init_guards_every_model_and_optimizer_created_later():
 @pytest.fixture
 def host_reads(monkeypatch):
     """Counts every way a tensor's value can reach Python. On the CPU there is no device to
-    sync with, so this stands in for torch.cuda.set_sync_debug_mode (a mock at the GPU edge)."""
+    sync with, so this stands in for torch.cuda.set_sync_debug_mode (a mock at the GPU edge).
+    The probes are taken to sit on a device: nothing is free to read at a forward's end
+    (``Slots.read_if_free`` reads only CPU memory: test_detail_of_a_clean_forward_* below)."""
     counter = {"n": 0}
+    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, count: None)
     package = os.path.dirname(nanguard.__file__) + os.sep
 
     def from_nanguard() -> bool:  # optimizers read their own step counters: not ours to count
@@ -190,6 +195,62 @@ def test_a_bad_step_reads_more_only_once_it_is_bad(host_reads):
         with pytest.raises(nanguard.NonFiniteError):
             train_step(model, optimizer, guard)
         assert host_reads["n"] > 1
+
+
+def _accumulate(model, optimizer, guard, micro_batches, on_forward=lambda k: None):
+    """One optimizer step of ``micro_batches`` forwards and backwards, 64 samples each."""
+    for k in range(micro_batches):
+        output = model(torch.randn(64, 8))
+        on_forward(k)
+        loss = nn.functional.cross_entropy(output, torch.randint(0, 4, (64,)))
+        guard.check(loss)
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_detail_of_a_clean_forward_is_let_go_at_its_end_on_the_cpu():
+    # Fault's output (64 x 256) is saved by no backward: plain training frees it as the forward
+    # ends. Kept for detail until the step's decision, it would outlive the backward pass.
+    model = make_mlp(width=256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    model[2].register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    with nanguard.init(model, optimizer) as guard:
+        gone = []
+        _accumulate(model, optimizer, guard, 4, lambda k: gone.append(outputs[-1]() is None))
+        assert gone == [True] * 4 and guard.step == 1
+        model[2].armed = True  # a bad forward keeps what it probed: its report describes it exactly
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            _accumulate(model, optimizer, guard, 1, lambda k: gone.append(outputs[-1]() is None))
+    assert gone[-1] is False
+    assert info.value.event.first_index == (0, 3) and info.value.event.bad_count == 1
+
+
+def test_detail_of_a_clean_forward_is_spent_again_on_the_next_micro_batch():
+    # a budget for one micro-batch's tensors (three of 64 KiB), not four: a value gone bad in the
+    # last micro-batch is described exactly, its index and value, not from its extremes alone
+    model = make_mlp(width=256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, detail_mb=0.25) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            # armed after the third forward: the fourth, the last, goes bad
+            _accumulate(model, optimizer, guard, 4, lambda k: setattr(model[2], "armed", k == 2))
+    event = info.value.event
+    assert (event.layer, event.micro_batch) == ("2", 3)
+    assert event.first_index == (0, 3) and math.isnan(event.first_value) and event.bad_count == 1
+
+
+def test_only_values_in_cpu_memory_are_free_to_read():
+    # on a device, reading the probes at a forward's end would sync: only the step's one read does
+    for device, free in (("cpu", [1.0, 2.0]), ("meta", None)):
+        slots = records.Slots()
+        like = torch.empty(3, device=device)
+        low, high = slots.take(like)
+        if free:
+            low.fill_(1.0), high.fill_(2.0)
+        assert slots.read_if_free(2) == free
+        assert slots.read_if_free(4) is None  # values written elsewhere (a compiled graph's)
 
 
 def test_compiled_model_keeps_one_graph_and_still_stops():
