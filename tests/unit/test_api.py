@@ -227,6 +227,31 @@ def test_detail_of_a_clean_forward_is_let_go_at_its_end_on_the_cpu():
     assert info.value.event.first_index == (0, 3) and info.value.event.bad_count == 1
 
 
+class _MaskedAttention(nn.Module):
+    """Scores plus an additive -inf mask made in its own code, into a softmax: inputs non-finite
+    on purpose, every output finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.scores, self.softmax, self.head = nn.Linear(8, 256), nn.Softmax(-1), nn.Linear(256, 4)
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], 256)
+        mask[:, 0] = -math.inf
+        return self.head(self.softmax(self.scores(x) + mask))
+
+
+def test_detail_is_let_go_beside_an_additive_mask():
+    model = _MaskedAttention()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scores = []
+    model.scores.register_forward_hook(lambda module, args, output: scores.append(weakref.ref(output)))
+    with nanguard.init(model, optimizer) as guard:
+        gone = []
+        _accumulate(model, optimizer, guard, 2, lambda k: gone.append(scores[-1]() is None))
+        assert gone == [True, True] and guard.step == 1 and not guard.events
+
+
 def test_detail_of_a_clean_forward_is_spent_again_on_the_next_micro_batch():
     # a budget for one micro-batch's tensors (three of 64 KiB), not four: a value gone bad in the
     # last micro-batch is described exactly, its index and value, not from its extremes alone
