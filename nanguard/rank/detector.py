@@ -261,17 +261,17 @@ class Detector:
 
     def _let_go_clean(self) -> None:
         """At the end of a forward on the CPU, let go of the tensors it kept for detail when every
-        output it probed is finite: none of them can be the one a report describes. Held until the step's
-        decision, activations outlive the backward pass that frees them, and the next micro-batch
-        can reuse none of their memory: glibc maps fresh pages for it, 0.12 of a nanoGPT step with
-        4 micro-batches here. The budget they held goes to the next micro-batch, so a value that
+        output it probed is finite: none of them can be the one a report describes. Held until
+        the step's decision, activations outlive the backward pass that frees them, and the next
+        micro-batch can reuse none of their memory: glibc maps fresh pages for it, 0.12 of a
+        nanoGPT step with 4 micro-batches here. The budget they held goes to the next micro-batch, so a value that
         goes bad in the last one is still described exactly. Only where the probes sit in CPU
         memory, whose read syncs nothing: on a device, the step's one read stays the only one (a
         caching allocator reuses the memory of kept tensors, so they cost no time there)."""
         log = self.log
         # the outputs alone: a non-finite input (an additive -inf mask) is described only beside
         # the bad output of its own call, which a forward with finite outputs does not have
-        outputs = log.value_slots.read_if_free(len(log.values))
+        outputs = log.value_slots.read_if_free(log.values)
         records = log.records
         if outputs is None or not all(map(math.isfinite, outputs)):
             self._judged = len(records)  # something is bad (or not free to read): keep it all

@@ -50,8 +50,8 @@ class Slot:
 class Probe:
     """One checked tensor of the step. ``kept`` is the tensor itself while the detail budget
     lasts, else a weak reference (None inside a compiled graph, or once a clean forward on the CPU
-    let it go); ``version`` is its in-place
-    version when probed, so a tensor changed since is not described as if it were the same."""
+    let it go); ``version`` is its in-place version when probed, so a tensor changed since is not
+    described as if it were the same."""
 
     role: int
     slot: int
@@ -188,11 +188,12 @@ class Slots:
             return self._last.buffer[:self.used]
         return concat([p.buffer[:p.used] for p in self._places.values() if p.used])
 
-    def read_if_free(self, count: int) -> list[float] | None:
-        """The ``count`` values written so far (in any order), where reading them syncs nothing:
-        every place is in CPU memory and every value was written into one. None otherwise (a
-        device's places, or values a compiled graph wrote elsewhere)."""
-        if self.used != count or any(key[1].type != "cpu" for key in self._places):
+    def read_if_free(self, values: list[torch.Tensor]) -> list[float] | None:
+        """``values`` (this step's) read on the host, in any order, where that syncs nothing: every
+        one was written into places in CPU memory. None otherwise (a device's places, or values a
+        compiled graph wrote elsewhere). Read place by place: joining them (``vector``) would make
+        a tensor on a step of several dtypes."""
+        if self.used != len(values) or any(key[1].type != "cpu" for key in self._places):
             return None
         return [value for places in self._places.values() if places.used
                 for value in places.buffer[:places.used].tolist()]

@@ -122,7 +122,7 @@ def host_reads(monkeypatch):
     The probes are taken to sit on a device: nothing is free to read at a forward's end
     (``Slots.read_if_free`` reads only CPU memory: test_detail_of_a_clean_forward_* below)."""
     counter = {"n": 0}
-    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, count: None)
+    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, values: None)
     package = os.path.dirname(nanguard.__file__) + os.sep
 
     def from_nanguard() -> bool:  # optimizers read their own step counters: not ours to count
@@ -273,9 +273,10 @@ def test_only_values_in_cpu_memory_are_free_to_read():
         like = torch.empty(3, device=device)
         low, high = slots.take(like)
         if free:
-            low.fill_(1.0), high.fill_(2.0)
-        assert slots.read_if_free(2) == free
-        assert slots.read_if_free(4) is None  # values written elsewhere (a compiled graph's)
+            low.fill_(1.0)
+            high.fill_(2.0)
+        assert slots.read_if_free([low, high]) == free
+        assert slots.read_if_free([low, high, low, high]) is None  # two written elsewhere (compiled)
 
 
 def test_compiled_model_keeps_one_graph_and_still_stops():
