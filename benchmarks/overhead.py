@@ -142,6 +142,9 @@ class ModelSpec:
     extra: str | None = None  # the optional extra its packages come with
 
 
+WITH_FLOOR = ("plain", "nanguard", "probe-floor")
+"""what a workload beyond the default three runs: nanguard beside the floor of per-module probing"""
+
 # --------------------------------------------------------------- real-model workloads
 # Built as the real-model tests build them (tests/realworld/zoo.py), from configs: no downloads.
 # They need the ``realworld`` extra; without it they are skipped with a message.
@@ -208,21 +211,21 @@ MODELS = {
         # nanoGPT-style: a GPT with 4 micro-batches per optimizer step
         ModelSpec("nanogpt-accum4", lambda: TinyGPT(vocab=256, seq=64, d_model=64, n_heads=2, n_layers=2),
                   token_batch(batch=4, seq=64, vocab=256), next_token_loss, steps=5, rounds=12, warmup=5,
-                  target=1.05, micro_batches=4, variants=("plain", "nanguard")),
+                  target=1.05, micro_batches=4, variants=WITH_FLOOR),
         ModelSpec("hf-gpt2", build_hf_gpt2, token_batch(batch=8, seq=64, vocab=512), hf_lm_loss,
-                  steps=10, rounds=12, warmup=5, target=1.05, variants=("plain", "nanguard"), extra="realworld"),
+                  steps=10, rounds=12, warmup=5, target=1.05, variants=WITH_FLOOR, extra="realworld"),
         # deep and narrow: per-module costs and anything that grows with depth (a key/value cache
         # handed to every layer) dominate
         ModelSpec("hf-gpt2-24l", lambda: build_hf_gpt2(layers=24), token_batch(batch=4, seq=32, vocab=512),
-                  hf_lm_loss, steps=5, rounds=12, warmup=3, target=1.05, variants=("plain", "nanguard"),
+                  hf_lm_loss, steps=5, rounds=12, warmup=3, target=1.05, variants=WITH_FLOOR,
                   extra="realworld"),
         ModelSpec("bert-bf16", build_bert, token_batch(batch=8, seq=64, vocab=512), bert_loss,
                   steps=10, rounds=12, warmup=5, target=1.03, autocast=torch.bfloat16,
-                  variants=("plain", "nanguard"), extra="realworld"),
+                  variants=WITH_FLOOR, extra="realworld"),
         ModelSpec("vit-compiled", build_vit_compiled, classification_batch(8, 3, 32, 32), classification_loss,
-                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard"), extra="realworld"),
+                  steps=10, rounds=12, warmup=5, target=1.03, variants=WITH_FLOOR, extra="realworld"),
         ModelSpec("resnet-bn", build_resnet, classification_batch(8, 3, 32, 32), classification_loss,
-                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard"), extra="realworld"),
+                  steps=10, rounds=12, warmup=5, target=1.03, variants=WITH_FLOOR, extra="realworld"),
         ModelSpec("nan-storm", build_storm, classification_batch(64, 64), classification_loss,
                   steps=50, rounds=12, warmup=10, target=1.5, variants=("plain", "nanguard"),
                   guard=(("on_nan", "warn"), ("max_events", 64))),
@@ -323,6 +326,7 @@ VARIANTS = {
     )
 }
 TARGET_VARIANT = "nanguard"
+FLOOR_VARIANT = "probe-floor"
 
 
 # --------------------------------------------------------------------------- timing
@@ -383,6 +387,7 @@ class Result:
     ratio: float = float("nan")
     paired_ratio: float = float("nan")
     paired_ratios: list[float] = field(default_factory=list)
+    over_floor: float = float("nan")  # median over rounds of (variant / probe-floor), where the floor ran
 
 
 def benchmark_model(spec: ModelSpec, variants: list[Variant], device: torch.device,
@@ -414,6 +419,10 @@ def benchmark_model(spec: ModelSpec, variants: list[Variant], device: torch.devi
         res.ratio = res.ms_per_step / statistics.median(plain.samples_ms)
         res.paired_ratios = [v / p for v, p in zip(res.round_ms, plain.round_ms)]
         res.paired_ratio = statistics.median(res.paired_ratios)
+    floor = next((res for res in results if res.variant == FLOOR_VARIANT), None)
+    for res in results:
+        if floor is not None and res.variant not in ("plain", FLOOR_VARIANT):
+            res.over_floor = statistics.median(v / f for v, f in zip(res.round_ms, floor.round_ms))
     return results
 
 
@@ -541,11 +550,12 @@ def spread(ratios: list[float]) -> str:
 
 
 def print_table(results: list[Result]) -> None:
-    print("| model | variant | ms/step | ratio | paired ratio | paired spread | target |")
-    print("|---|---|---:|---:|---:|---|---|")
+    print("| model | variant | ms/step | ratio | paired ratio | paired spread | over the floor | target |")
+    print("|---|---|---:|---:|---:|---|---:|---|")
     for res in results:
+        over = "" if math.isnan(res.over_floor) else f"{res.over_floor:.3f}"
         print(f"| {res.model} | {res.variant} | {res.ms_per_step:.3f} | {res.ratio:.3f} "
-              f"| {res.paired_ratio:.3f} | {spread(res.paired_ratios)} | {target_cell(MODELS[res.model], res)} |")
+              f"| {res.paired_ratio:.3f} | {spread(res.paired_ratios)} | {over} | {target_cell(MODELS[res.model], res)} |")
 
 
 def positive_int(text: str) -> int:
