@@ -55,6 +55,11 @@ FINITE_PRESERVING = frozenset((
     nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 ))
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+LET_GO_BYTES = 512 << 10
+"""kept tensors worth a read of the probes at a forward's end (``_let_go_clean``): below it the
+read (about 17 us inside a small MLP's step here) costs more than the memory it gives back saves
+(glibc serves small blocks from its heap; a fresh mapping of 512 KiB is ~128 page faults), unless
+they hold more than half the detail budget, which the next micro-batch needs"""
 _transformed = torch._C._functorch.is_functorch_wrapped_tensor
 
 
@@ -253,7 +258,8 @@ class Detector:
         if torch.compiler.is_compiling():
             return None
         self.backward.forward_done(output)
-        if self._kept_bytes and torch.is_grad_enabled():
+        kept = self._kept_bytes
+        if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
             self._let_go_clean()
         if self.on_root_end is not None:
             self.on_root_end()

@@ -210,9 +210,9 @@ def _accumulate(model, optimizer, guard, micro_batches, on_forward=lambda k: Non
 
 
 def test_detail_of_a_clean_forward_is_let_go_at_its_end_on_the_cpu():
-    # Fault's output (64 x 256) is saved by no backward: plain training frees it as the forward
-    # ends. Kept for detail until the step's decision, it would outlive the backward pass.
-    model = make_mlp(width=256)
+    # Fault's output (64 x 2048, 512 KiB) is saved by no backward: plain training frees it as the
+    # forward ends. Kept for detail until the step's decision, it would outlive the backward pass.
+    model = make_mlp(width=2048)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     outputs = []
     model[2].register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
@@ -231,12 +231,12 @@ class _MaskedAttention(nn.Module):
     """Scores plus an additive -inf mask made in its own code, into a softmax: inputs non-finite
     on purpose, every output finite."""
 
-    def __init__(self):
+    def __init__(self, width: int = 1024):
         super().__init__()
-        self.scores, self.softmax, self.head = nn.Linear(8, 256), nn.Softmax(-1), nn.Linear(256, 4)
+        self.scores, self.softmax, self.head = nn.Linear(8, width), nn.Softmax(-1), nn.Linear(width, 4)
 
     def forward(self, x):
-        mask = torch.zeros(x.shape[0], 256)
+        mask = torch.zeros(x.shape[0], self.head.in_features)
         mask[:, 0] = -math.inf
         return self.head(self.softmax(self.scores(x) + mask))
 
@@ -250,6 +250,21 @@ def test_detail_is_let_go_beside_an_additive_mask():
         gone = []
         _accumulate(model, optimizer, guard, 2, lambda k: gone.append(scores[-1]() is None))
         assert gone == [True, True] and guard.step == 1 and not guard.events
+
+
+def test_little_kept_detail_is_not_worth_a_read_at_the_forward_end(monkeypatch):
+    # 64 x 16 activations: reading the probes at each forward's end would cost more than
+    # giving back a few KiB saves; they are kept to the decision, as on a device
+    reads = []
+    free_read = records.Slots.read_if_free
+    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, values: reads.append(1) or free_read(self, values))
+    for width, read in ((16, []), (2048, [1] * 4)):  # 64 x 2048 floats: 512 KiB, worth it
+        model = make_mlp(width)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanguard.init(model, optimizer) as guard:
+            _accumulate(model, optimizer, guard, 4)
+            assert guard.step == 1 and reads == read
+        reads.clear()
 
 
 def test_detail_of_a_clean_forward_is_spent_again_on_the_next_micro_batch():
