@@ -116,6 +116,9 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
     if source is None:
         return fields | _explain_output(info.module(), fields.get("message"))
     nan_in, tensor, where = source
+    if nan_in is None:  # the batch could not be checked: where the value was born is not known
+        return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True,
+                         "message": _join(where, fields.get("message"))}
     if nan_in:  # the value was passed on: describe it where it entered, which is more precise
         described = forensics.describe(tensor) if tensor is not None else {}
         if described.get("bad_count"):
@@ -129,9 +132,10 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
 
 
 def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None],
-               index: int) -> tuple[bool, torch.Tensor | None, str] | None:
+               index: int) -> tuple[bool | None, torch.Tensor | None, str] | None:
     """(held NaN, the tensor if still there, where it came from) for a non-finite input of the call
-    that made output ``index``; None when its inputs were finite.
+    that made output ``index``; None when its inputs were finite; held NaN None when they may not
+    have been (a tensor of the batch is gone or was changed in place since, unchecked).
 
     Its inputs are the IN probes of that call (values made between modules) or the batch of its
     root's forward, checked exactly now; the outputs of other modules it took were checked finite
@@ -147,16 +151,25 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
                     f" forward code of {parent or 'the root module'} (before this module ran)")
         j -= 1
     start, root = next(((s[0], s[1]) for s in reversed(log.spans) if s[0] <= index), (0, None))
-    found = None
+    found, unchecked = None, False
     for k in range(start, index):
-        tensor = log.records[k].tensor() if log.records[k].role == BATCH else None
+        if log.records[k].role != BATCH:
+            continue
+        tensor = log.records[k].tensor()
+        unchecked = unchecked or tensor is None
         if tensor is not None and not forensics.is_finite(tensor):
             nan = bool(torch.isnan(forensics.plain(tensor)).any())
             if found is None or (nan and not found[0]):
                 found = (nan, tensor)
+    name = catalog.slots[root].name if root is not None else ""
+    if found is None and unchecked:
+        # a static input buffer refilled in place for the next micro-batch, or a batch beyond the
+        # detail budget with captures off: "born in this module" would be a guess
+        return (None, None, f"born in this module, or it came in with the input batch of {name or 'the model'},"
+                            " which could not be checked (changed in place since its forward, or not kept:"
+                            " past detail_mb with capture off)")
     if found is None:
         return None
-    name = catalog.slots[root].name if root is not None else ""
     return (*found, f"the input batch of {name or 'the model'} was already non-finite")
 
 

@@ -93,6 +93,20 @@ def test_a_bad_batch_names_the_first_module_it_reached():
     assert "input batch of the model" in event.message
 
 
+def test_a_batch_that_cannot_be_checked_leaves_the_origin_unknown():
+    # the batch was refilled in place after its forward (a static input buffer), or was freed:
+    # "inputs were finite, born in this module" would be a guess
+    batch = torch.tensor([1.0, NAN])
+    changed = record(BATCH, 0, batch, lazy=True)
+    batch.fill_(1.0)
+    gone = Probe(BATCH, 0, None, 0, batch.shape, batch.dtype, True)
+    for batch_record in (changed, gone):
+        log = log_of(batch_record, record(OUT, 1, torch.tensor([NAN])))
+        event = first_bad(catalog("", "embed"), log, reading(BAD_NAN), make).event
+        assert (event.kind, event.layer, event.input_nonfinite) == ("forward", "embed", None)
+        assert "could not be checked" in event.message and "born in this module, or" in event.message
+
+
 def test_a_checked_loss_is_a_loss_event():
     cat = catalog("")
     index = cat.check_index("loss")

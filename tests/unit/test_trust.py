@@ -61,6 +61,29 @@ class Broken(nn.Module):
         return x * math.nan if self.armed else x / 1e37
 
 
+def test_a_batch_refilled_in_place_before_the_decision_is_not_taken_for_finite():
+    # accumulation from one static input buffer: by the step's decision, micro-batch 0's NaN
+    # batch has been overwritten by micro-batch 1's, and cannot be checked any more
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for static in (True, False):
+        with nanguard.init(model, optimizer, on_nan="warn") as guard:
+            buffer = torch.randn(32, 8)
+            for k in range(2):
+                batch = buffer if static else torch.empty(32, 8)
+                batch.copy_(torch.randn(32, 8))
+                batch[3, 2] = math.nan if k == 0 else 0.0
+                model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            event = guard.events[-1]
+        assert (event.layer, event.micro_batch) == ("0", 0)
+        if static:
+            assert event.input_nonfinite is None and "could not be checked" in event.message
+        else:
+            assert event.input_nonfinite is True and "input batch of the model was already" in event.message
+
+
 def test_a_huge_finite_tensor_is_never_read_as_non_finite_nor_blamed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), Huge(), Broken(), nn.Linear(64, 2))
