@@ -31,6 +31,23 @@ _ATOMS = (str, int, float, bool, bytes, type(None))
 _KEPT = (torch.dtype, torch.device, torch.Size)  # what weights_only loading knows besides atoms
 
 
+class Changed:
+    """In place of a batch tensor changed in place after its forward (a static input buffer
+    refilled for the next micro-batch): what it holds now is not what the step was fed, so it
+    is written as unsupported, and a replay feeds None and says why."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+    def encoded(self) -> dict[str, Any]:
+        return {TAG: "unsupported", "type": "torch.Tensor",
+                "repr": f"{str(self.dtype).removeprefix('torch.')} of shape {list(self.shape)}",
+                "why": "changed in place after its forward, as a static input buffer refilled for the"
+                       " next micro-batch is: what it held when the step was fed is lost"}
+
+
 def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int = 0) -> Any:
     """``obj`` as data a weights_only load accepts (tensors detached, local shards, on the CPU;
     a tensor met twice is copied once, so the file keeps the aliasing)."""
@@ -43,6 +60,8 @@ def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int =
         return memo[id(obj)]
     if type(obj) in _ATOMS or isinstance(obj, _KEPT):
         return obj
+    if type(obj) is Changed:
+        return obj.encoded()
     if _depth >= MAX_DEPTH:
         return _unsupported(obj, "nested too deep")
     again = (lambda item: encode(item, memo, _depth + 1))
@@ -88,8 +107,10 @@ def decode(data: Any, notes: list[str], _depth: int = 0) -> Any:
     if tag == "ndarray":
         return _field(data, "tensor", torch.Tensor).numpy()
     if tag == "unsupported":
+        why = data.get("why")
         notes.append(f"the captured batch held a {_field(data, 'type', str)} ({_field(data, 'repr', str)}),"
-                     " which an incident does not keep; None was fed in its place")
+                     f" which an incident does not keep{f' ({why})' if isinstance(why, str) else ''};"
+                     " None was fed in its place")
         return None
     rebuild = _REBUILD.get(tag)
     if rebuild is None:

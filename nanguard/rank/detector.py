@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tree import floating_tensors, named_floating_tensors
+from .._tree import floating_tensors, named_floating_tensors, tensors
 from . import forensics
 from .backward import BackwardWatch, probe
 from .buffers import Buffers
@@ -250,7 +250,8 @@ class Detector:
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
         if self.keep_batches:
-            log.batches.append((root_slot, args, kwargs))
+            log.batches.append((root_slot, args, kwargs, [(t, t._version if not t.is_inference() else None)
+                                                          for t in tensors((args, kwargs))]))
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 

@@ -15,10 +15,12 @@ from torch import nn
 
 from .._dist import Collectives, RankInfo
 from .._throttle import Throttle
+from .._tree import map_tensors
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
 from ..incident import RankPart, capture_incident, rng_snapshot
+from ..incident.batches import Changed
 from ..incident.rng import HOST
 from . import forensics
 from .buffers import Buffers
@@ -207,9 +209,19 @@ def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[
     """The step's batches fed to ``model``'s root, and the RNG as it was when the step began
     (python's and numpy's read now: the forward, backward and optimizer step do not draw from them)."""
     root = detector.slot_of(model) if model is not None and detector.owns(model) else None
-    batches = [{"args": a, "kwargs": k} for slot, a, k in detector.log.batches if root is None or slot == root]
+    batches = [as_fed(a, k, versions) for slot, a, k, versions in detector.log.batches if root is None or slot == root]
     now = rng_snapshot()
     return batches, now if rng_at_start is None else {**rng_at_start, **{g: now[g] for g in HOST}}
+
+
+def as_fed(args: tuple, kwargs: dict, versions: list[tuple[torch.Tensor, int | None]]) -> dict[str, Any]:
+    """A micro-batch as its forward was fed: a tensor changed in place since is marked ``Changed``
+    (its contents now are another micro-batch's), never written as if it were the one fed."""
+    changed = {id(t) for t, version in versions if version is not None and t._version != version}
+    if changed:
+        mark = (lambda t: Changed(t) if id(t) in changed else t)
+        args, kwargs = map_tensors(args, mark), map_tensors(kwargs, mark)
+    return {"args": args, "kwargs": kwargs}
 
 
 def settings_record(settings: Settings) -> dict[str, Any]:

@@ -570,6 +570,27 @@ def test_raise_captures_the_state_from_before_the_step(incidents_in_tmp):
     assert report["first_event"]["layer"] == "2" and report["replay"] is None
 
 
+def test_a_batch_refilled_in_place_is_not_captured_as_the_one_fed(incidents_in_tmp):
+    # accumulation from one static input buffer: by the capture, micro-batch 0's tensor holds
+    # micro-batch 1's data; written as it is now, a replay would feed the wrong data as the step's
+    from nanguard import incident as capture
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = torch.empty(5, 8)
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for k in range(2):
+                buffer.copy_(torch.randn(5, 8))
+                model[2].armed = k == 1
+                model(buffer).sum().backward()
+            optimizer.step()
+    notes = []
+    first, second = capture.read_incident(info.value.incident).rank_batches(0, notes)
+    assert first["args"] == (None,) and torch.equal(second["args"][0], buffer)
+    assert len(notes) == 1 and "changed in place after its forward" in notes[0]
+    assert "float32 of shape [5, 8]" in notes[0]
+
+
 def test_capture_can_be_turned_off_and_batches_left_out(incidents_in_tmp):
     from nanguard import incident as capture
 
