@@ -42,10 +42,9 @@ class Changed:
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
 
     def encoded(self) -> dict[str, Any]:
-        return {TAG: "unsupported", "type": "torch.Tensor",
-                "repr": f"{str(self.dtype).removeprefix('torch.')} of shape {list(self.shape)}",
-                "why": "changed in place after its forward, as a static input buffer refilled for the"
-                       " next micro-batch is: what it held when the step was fed is lost"}
+        return _unsupported("torch.Tensor", f"{str(self.dtype).removeprefix('torch.')} of shape {list(self.shape)}",
+                            "changed in place after its forward, as a static input buffer refilled for"
+                            " the next micro-batch is: what it held when the step was fed is lost")
 
 
 def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int = 0) -> Any:
@@ -63,7 +62,7 @@ def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int =
     if type(obj) is Changed:
         return obj.encoded()
     if _depth >= MAX_DEPTH:
-        return _unsupported(obj, "nested too deep")
+        return _unsupported_object(obj, "nested too deep")
     again = (lambda item: encode(item, memo, _depth + 1))
     if type(obj) in (tuple, list):
         return type(obj)(again(item) for item in obj)
@@ -82,12 +81,16 @@ def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int =
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {TAG: "dataclass", "type": name,
                 "fields": {f.name: again(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
-    return _unsupported(obj, "not a container or a value nanguard can keep as data")
+    return _unsupported_object(obj, "not a container or a value nanguard can keep as data")
 
 
-def _unsupported(obj: Any, why: str) -> dict[str, Any]:
-    return {TAG: "unsupported", "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
-            "repr": repr(obj)[:200], "why": why}
+def _unsupported_object(obj: Any, why: str) -> dict[str, Any]:
+    return _unsupported(f"{type(obj).__module__}.{type(obj).__qualname__}", repr(obj)[:200], why)
+
+
+def _unsupported(kind: str, shown: str, why: str) -> dict[str, Any]:
+    """What is written in place of a value an incident does not keep: its type, how it looked, why."""
+    return {TAG: "unsupported", "type": kind, "repr": shown, "why": why}
 
 
 def decode(data: Any, notes: list[str], _depth: int = 0) -> Any:

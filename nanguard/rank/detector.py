@@ -250,8 +250,7 @@ class Detector:
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
         if self.keep_batches:
-            log.batches.append((root_slot, args, kwargs, [(t, t._version if not t.is_inference() else None)
-                                                          for t in tensors((args, kwargs))]))
+            log.batches.append((root_slot, args, kwargs, [(t, version_of(t)) for t in tensors((args, kwargs))]))
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
@@ -271,10 +270,10 @@ class Detector:
         output it probed is finite: none of them can be the one a report describes. Held until
         the step's decision, activations outlive the backward pass that frees them, and the next
         micro-batch can reuse none of their memory: glibc maps fresh pages for it, 0.12 of a
-        nanoGPT step with 4 micro-batches here. The budget they held goes to the next micro-batch, so a value that
-        goes bad in the last one is still described exactly. Only where the probes sit in CPU
-        memory, whose read syncs nothing: on a device, the step's one read stays the only one (a
-        caching allocator reuses the memory of kept tensors, so they cost no time there)."""
+        nanoGPT step with 4 micro-batches here. The budget they held goes to the next micro-batch,
+        so a value that goes bad in the last one is still described exactly. Only where the probes
+        sit in CPU memory, whose read syncs nothing: on a device, the step's one read stays the
+        only one (a caching allocator reuses the memory of kept tensors, so they cost no time there)."""
         log = self.log
         # the outputs alone: a non-finite input (an additive -inf mask) is described only beside
         # the bad output of its own call, which a forward with finite outputs does not have

@@ -255,10 +255,10 @@ class StepLog:
     """(first probe index, root slot, micro-batch) of every root forward"""
     buckets: list[torch.Tensor] = field(default_factory=list)
     """probes of DDP gradient buckets before their all-reduce"""
-    batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int | None]]]] = field(default_factory=list)
-    """(root slot, args, kwargs, (tensor, in-place version) of each tensor in them) of every root
+    batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]] = field(default_factory=list)
+    """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
-    input buffer) from what the forward was fed (None: an inference tensor, which keeps none)"""
+    input buffer) from what the forward was fed"""
     produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """(parameters, the norms of their gradients) as the last backward pass left them"""
     loss_at: int | None = None

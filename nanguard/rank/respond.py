@@ -30,6 +30,7 @@ from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import sharding, unwrap
+from .records import version_of
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -214,13 +215,13 @@ def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[
     return batches, now if rng_at_start is None else {**rng_at_start, **{g: now[g] for g in HOST}}
 
 
-def as_fed(args: tuple, kwargs: dict, versions: list[tuple[torch.Tensor, int | None]]) -> dict[str, Any]:
+def as_fed(args: tuple, kwargs: dict, versions: list[tuple[torch.Tensor, int]]) -> dict[str, Any]:
     """A micro-batch as its forward was fed: a tensor changed in place since is marked ``Changed``
-    (its contents now are another micro-batch's), never written as if it were the one fed."""
-    changed = {id(t) for t, version in versions if version is not None and t._version != version}
+    (its contents now are another micro-batch's), never written as if it were the one fed. An
+    inference tensor keeps no version (``version_of`` gave it a negative number): written as it is."""
+    changed = {id(t) for t, version in versions if version >= 0 and version_of(t) != version}
     if changed:
-        mark = (lambda t: Changed(t) if id(t) in changed else t)
-        args, kwargs = map_tensors(args, mark), map_tensors(kwargs, mark)
+        args, kwargs = map_tensors((args, kwargs), lambda t: Changed(t) if id(t) in changed else t)
     return {"args": args, "kwargs": kwargs}
 
 
