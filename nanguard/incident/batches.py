@@ -128,7 +128,7 @@ def _build(cls: type | None, make, plain, notes: list[str]) -> Any:
         return plain
     try:
         return make(cls)
-    except TypeError:
+    except (TypeError, AttributeError):  # AttributeError: saved state for instances that have no __dict__
         notes.append(f"the captured batch held a {cls.__module__}.{cls.__qualname__}, which cannot be"
                      f" rebuilt from its contents alone; it was fed as a plain {type(plain).__name__}")
         return plain

@@ -15,10 +15,12 @@ from collections import OrderedDict, UserDict
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from test_capture import first_event, make_incident
 
 from nanguard.incident import IncidentError, read_incident
-from nanguard.incident.batches import decode, encode
+from nanguard.incident.batches import TAG, decode, encode
 
 
 class Encoding(UserDict):
@@ -110,6 +112,40 @@ def test_a_class_the_script_has_not_imported_is_fed_as_its_plain_equivalent():
     back = decode(data, notes)
     assert type(back) is tuple and back[1] == 2.0
     assert "has not imported" in notes[0] and "plain tuple" in notes[0]
+
+
+_ATOM = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) | st.binary(max_size=6)
+_TYPE = st.text(max_size=12) | st.sampled_from(
+    ["builtins:dict", "builtins:tuple", "collections:OrderedDict", "collections:Counter", "os:system",
+     "torch:Tensor", "test_incident_batches:Point", "test_incident_batches:Frozen",
+     "test_incident_batches:Output", "test_incident_batches:Encoding", "typing:NamedTuple"])
+
+
+def _tagged(children):
+    """A dict shaped like an entry ``encode`` writes, with any tag and any (or missing) fields."""
+    return st.fixed_dictionaries(
+        {TAG: st.sampled_from(["tuple", "list", "mapping", "dataclass", "ndarray", "unsupported", "other"])},
+        optional={"type": _TYPE, "items": st.lists(children, max_size=3), "keys": st.lists(children, max_size=3),
+                  "values": st.lists(children, max_size=3), "repr": _ATOM, "why": _ATOM,
+                  "state": st.dictionaries(st.text(max_size=4), children, max_size=2),
+                  "fields": st.dictionaries(st.text(max_size=4), children, max_size=3),
+                  "tensor": st.just(torch.zeros(2)) | _ATOM})
+
+
+@settings(max_examples=int(os.environ.get("NANGUARD_FUZZ_EXAMPLES", "300")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@example({TAG: "mapping", "type": "builtins:dict", "keys": [None], "values": [None], "state": {"a": 1}})
+@given(st.recursive(_ATOM, lambda children: st.lists(children, max_size=3) | st.tuples(children)
+                    | st.dictionaries(st.text(max_size=4), children, max_size=3) | _tagged(children), max_leaves=25))
+def test_any_data_in_a_batches_file_decodes_or_is_refused(data):
+    # what rank_batches turns into an IncidentError ("damaged or crafted") is ValueError and
+    # TypeError; anything else would escape as a crash of `nanguard replay`
+    notes = []
+    try:
+        decode(data, notes)
+    except (ValueError, TypeError):
+        pass
+    assert all(isinstance(note, str) for note in notes)
 
 
 def test_a_crafted_entry_never_builds_an_unrelated_class():
