@@ -68,6 +68,14 @@ def tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     return [t for item in items or () for t in tensors(item, _depth + 1)]
 
 
+def holds(obj: Any, kind: type, _depth: int = 0) -> bool:
+    """Whether ``obj``, or an item in its containers, is a ``kind``."""
+    if isinstance(obj, kind):
+        return True
+    items = _items(obj) if _depth < MAX_DEPTH else None
+    return any(holds(item, kind, _depth + 1) for item in items or ())
+
+
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in ``obj``, in order."""
     if type(obj) is tuple and len(obj) == 1 and type(obj[0]) is torch.Tensor:  # a hook's common call

@@ -34,7 +34,7 @@ _KEPT = (torch.dtype, torch.device, torch.Size)  # what weights_only loading kno
 class Changed:
     """In place of a batch tensor changed in place after its forward (a static input buffer
     refilled for the next micro-batch): what it holds now is not what the step was fed, so it
-    is written as unsupported, and a replay feeds None and says why."""
+    is written as unsupported, and a replay feeds the script's own tensor and says why."""
 
     __slots__ = ("shape", "dtype")
 
@@ -45,6 +45,19 @@ class Changed:
         return _unsupported("torch.Tensor", f"{str(self.dtype).removeprefix('torch.')} of shape {list(self.shape)}",
                             "changed in place after its forward, as a static input buffer refilled for"
                             " the next micro-batch is: what it held when the step was fed is lost")
+
+
+class Missing:
+    """Read back in place of a value the incident does not hold (written as unsupported): a replay
+    feeds the script's own value at that place (``replay.fill``)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<not in the incident: {self.what}>"
 
 
 def encode(obj: Any, _memo: dict[int, torch.Tensor] | None = None, _depth: int = 0) -> Any:
@@ -110,11 +123,11 @@ def decode(data: Any, notes: list[str], _depth: int = 0) -> Any:
     if tag == "ndarray":
         return _field(data, "tensor", torch.Tensor).numpy()
     if tag == "unsupported":
-        why = data.get("why")
-        notes.append(f"the captured batch held a {_field(data, 'type', str)} ({_field(data, 'repr', str)}),"
-                     f" which an incident does not keep{f' ({why})' if isinstance(why, str) else ''};"
-                     " None was fed in its place")
-        return None
+        why, what = data.get("why"), f"a {_field(data, 'type', str)} ({_field(data, 'repr', str)})"
+        notes.append(f"the captured batch held {what}, which an incident does not keep"
+                     f"{f' ({why})' if isinstance(why, str) else ''}; the replay fed the script's own value"
+                     " at that place (None where the script had none)")
+        return Missing(what)
     rebuild = _REBUILD.get(tag)
     if rebuild is None:
         raise ValueError(f"unknown batch tag {tag!r}")

@@ -37,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tree import floating_tensors, named_floating_tensors, tensors
+from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
 from .backward import BackwardWatch, probe
 from .buffers import Buffers
+from .fed import Feeds
 from .modules import plain_names, type_name
 from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog, version_of
 
@@ -112,6 +113,7 @@ class Detector:
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
         self.buffers = Buffers()
+        self.feeds = Feeds()
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -250,7 +252,13 @@ class Detector:
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
         if self.keep_batches:
-            log.batches.append((root_slot, args, kwargs, [(t, version_of(t)) for t in tensors((args, kwargs))]))
+            # held for the capture: copies, once a batch was found changed in place by its step's
+            # decision (a refilled buffer), probed (lazily) as those copies; the forward's own are seen
+            fed = call_tensors(args, kwargs)
+            args, kwargs, versions = self.feeds.hold(args, kwargs)
+            log.batches.append((root_slot, args, kwargs, versions))
+            if self.feeds.copying:
+                self._mark_seen(self._unchecked(fed))
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
@@ -320,6 +328,7 @@ class Detector:
 
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
+        self.feeds.step_decided(self.log.batches)
         self.log.clear()
         self.buffers.forget()
         self._seen.clear()

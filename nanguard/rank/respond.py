@@ -15,22 +15,20 @@ from torch import nn
 
 from .._dist import Collectives, RankInfo
 from .._throttle import Throttle
-from .._tree import map_tensors
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
 from ..incident import RankPart, capture_incident, rng_snapshot
-from ..incident.batches import Changed
 from ..incident.rng import HOST
 from . import forensics
 from .buffers import Buffers
 from .decision import params
 from .detector import Detector
+from .fed import as_fed
 from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import sharding, unwrap
-from .records import version_of
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -213,16 +211,6 @@ def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[
     batches = [as_fed(a, k, versions) for slot, a, k, versions in detector.log.batches if root is None or slot == root]
     now = rng_snapshot()
     return batches, now if rng_at_start is None else {**rng_at_start, **{g: now[g] for g in HOST}}
-
-
-def as_fed(args: tuple, kwargs: dict, versions: list[tuple[torch.Tensor, int]]) -> dict[str, Any]:
-    """A micro-batch as its forward was fed: a tensor changed in place since is marked ``Changed``
-    (its contents now are another micro-batch's), never written as if it were the one fed. An
-    inference tensor keeps no version (``version_of`` gave it a negative number): written as it is."""
-    changed = {id(t) for t, version in versions if version >= 0 and version_of(t) != version}
-    if changed:
-        args, kwargs = map_tensors((args, kwargs), lambda t: Changed(t) if id(t) in changed else t)
-    return {"args": args, "kwargs": kwargs}
 
 
 def settings_record(settings: Settings) -> dict[str, Any]:

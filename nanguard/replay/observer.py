@@ -23,6 +23,7 @@ from ..incident.fsio import write_json
 from ..rank.detector import skipped
 from ..rank.modules import is_wrapper, plain_names, type_name, unwrap
 from . import devices, layout, samples
+from .fill import fill, incomplete
 from .ops import OpWatch
 from .render import render
 from .report import build_report
@@ -100,6 +101,8 @@ class Replay(StepObserver):
         self.batches = incident.rank_batches(self.rank, self.notes)
         self.rng = incident.rank_rng(self.rank)
         self._forwards = 0
+        self.own_data = False
+        """some of what the step was fed came from the script, not from the incident"""
         self.ops = OpWatch(lambda: self._forwards - 1) if settings.replay_ops else None
         self.trace = Trace(lambda: self._forwards - 1, self.ops.paused if self.ops is not None else
                            contextlib.nullcontext)
@@ -203,21 +206,28 @@ class Replay(StepObserver):
         self._forwards += 1
         if index == 0:
             self.notes.extend(capture.rng_restore(self.rng))
-        fed = self._batch(root, index)
+        fed = self._batch(root, index, args, kwargs)
         if index == 0 and self.ops is not None:
             self.ops.start()  # from the first forward to the decision: the step, and only it
         return fed
 
-    def _batch(self, root: nn.Module, index: int) -> tuple[tuple, dict] | None:
+    def _batch(self, root: nn.Module, index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The captured micro-batch ``index``, completed from the script's call (``args``, ``kwargs``)
+        where the incident lacks a value; None: the script's own."""
         if self.batches is None:
+            self.own_data = True
             return None
         if index >= len(self.batches):
             if index == len(self.batches):
                 self.notes.append(f"the script ran more forwards of the model than the {len(self.batches)}"
                                   " captured in this step; the extra ones used the script's inputs")
+            self.own_data = True
             return None
         batch = capture.to_device(self.batches[index], devices.device_of(root))
         self.trace.bad_batch(batch, index)
+        if incomplete(batch):
+            self.own_data = True
+            return tuple(fill(batch["args"], args)), dict(fill(batch["kwargs"], kwargs))
         return tuple(batch["args"]), dict(batch["kwargs"])
 
     def _install(self, root: nn.Module, param_names: dict[int, str], back: torch.device | None) -> None:
@@ -246,6 +256,7 @@ class Replay(StepObserver):
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,
+                   "own_data": self.own_data,
                    "operations": self.ops.result() if self.ops is not None else None,
                    "samples": self._search(),
                    "device": devices.this_one(devices.device_of(self._root) if self._root is not None
@@ -310,6 +321,8 @@ def _not_searchable(root: nn.Module | None, batches: list[Any] | None, sharded: 
                     ) -> str | None:
     if batches is None:
         return "the batch was not captured (capture_batch=False)"
+    if incomplete(batches):
+        return "the incident lacks part of the batch (see the notes), which the script's own values filled"
     if sharded:
         return f"the model is sharded ({sharded}): a part of the batch cannot run on one rank's shards alone"
     if root is None:

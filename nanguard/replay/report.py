@@ -28,20 +28,22 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     reproducible = all(same.values())
     notes = sorted({note for t in traces for note in t["notes"]})
     suspect = _suspect(incident, original)
+    own_data = any(t.get("own_data") for t in traces)
     if not torch.cuda.is_available() and suspect["device"] not in ("cpu", None):
         notes.append(f"replayed on the CPU: the original ran on {suspect['device']}; GPU kernels do not give"
                      " bit-identical results, so a fault of a GPU kernel may not show here")
     other_rank = layout.alone and layout.part != original.rank
     return {
         "verdict": "reproducible" if reproducible else "not_reproducible",
-        "message": _message(original, event, reproducible, suspect, layout),
+        "message": _message(original, event, reproducible, suspect, layout, own_data),
         "incident": incident.name,
         "step": incident.step,
         "world_size": world,
         "original_event": original.to_dict(),
         "first_event": event.to_dict() if event is not None else None,
         "same": same,
-        "suspects": [] if reproducible or other_rank else [suspect],
+        "suspects": [] if reproducible or other_rank or own_data else [suspect],
+        "own_data": own_data,
         "trace": {str(t["rank"]): t["trace"] for t in traces},
         "notes": notes,
         "layout": {"incident_world_size": incident.world_size, "replayed_ranks": [t["rank"] for t in traces],
@@ -50,7 +52,7 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
         "samples": {str(t["rank"]): t["samples"] for t in traces},
         "bad_samples": bad_samples(traces),
         "skip_file": None,
-        "devices": _devices(incident, original, event, traces, reproducible),
+        "devices": _devices(incident, original, event, traces, reproducible, own_data),
         "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
                      "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -64,7 +66,7 @@ def _now() -> str:
 
 
 def _message(original: Event, event: Event | None, reproducible: bool, suspect: dict[str, Any],
-             layout: Layout) -> str:
+             layout: Layout, own_data: bool) -> str:
     where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
     if reproducible:
         return (f"the same {where} happened again with the captured weights, batch and random"
@@ -73,6 +75,11 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
         return (f"rank {layout.part} was replayed alone and the original {where} came from rank"
                 f" {original.rank}: this replay cannot reproduce it and says nothing of rank"
                 f" {original.rank}'s hardware (NANGUARD_REPLAY_RANK={original.rank} replays that rank)")
+    if own_data:
+        found = "the step ran clean" if event is None else f"the replay found a different first event ({event})"
+        return (f"{found}, but not on all of the step's own data: the script's own inputs took the place"
+                " of what the incident does not hold (see the notes). The original"
+                f" {where} may have come with that data, so this replay says nothing of the hardware")
     if event is None:
         return (f"the step ran clean with the captured weights, batch and random state, so the "
                 f"original {where} did not recur: suspect a transient fault of the hardware that ran"
@@ -90,16 +97,20 @@ def _suspect(incident: Incident, original: Event) -> dict[str, Any]:
 
 
 def _devices(incident: Incident, original: Event, event: Event | None, traces: list[dict[str, Any]],
-             reproducible: bool) -> dict[str, Any]:
-    """The original device against this replay's (and earlier replays') for the rank that saw it."""
-    mine = next((t["device"] for t in traces if t["rank"] == original.rank), None)
-    if mine is None:
-        return {"finding": "not_compared", "replayed": None,
-                "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
+             reproducible: bool, own_data: bool) -> dict[str, Any]:
+    """The original device against this replay's (and earlier replays') for the rank that saw it.
+    A replay that cannot speak of it leaves the earlier replays' records as they were."""
     try:
         earlier = devices.earlier_runs(incident.replay_report())
     except IncidentError:
         earlier = []
+    mine = next((t["device"] for t in traces if t["rank"] == original.rank), None)
+    if mine is None:
+        return {"finding": "not_compared", "replayed": None, "replays": earlier,
+                "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
+    if own_data and not reproducible:
+        return {"finding": "not_compared", "replayed": mine, "replays": earlier,
+                "message": "not fed all of the step's own data, the replay says nothing of the device"}
     run = {**mine, "rank": original.rank, "bad": event is not None, "reproducible": reproducible,
            "time": _now()}
     return devices.compare(devices.original(incident, original.rank, original), earlier + [run],

@@ -574,6 +574,7 @@ def test_a_batch_refilled_in_place_is_not_captured_as_the_one_fed(incidents_in_t
     # accumulation from one static input buffer: by the capture, micro-batch 0's tensor holds
     # micro-batch 1's data; written as it is now, a replay would feed the wrong data as the step's
     from nanguard import incident as capture
+    from nanguard.incident.batches import Missing
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     buffer = torch.empty(5, 8)
@@ -586,9 +587,75 @@ def test_a_batch_refilled_in_place_is_not_captured_as_the_one_fed(incidents_in_t
             optimizer.step()
     notes = []
     first, second = capture.read_incident(info.value.incident).rank_batches(0, notes)
-    assert first["args"] == (None,) and torch.equal(second["args"][0], buffer)
+    assert type(first["args"][0]) is Missing and torch.equal(second["args"][0], buffer)
     assert len(notes) == 1 and "changed in place after its forward" in notes[0]
     assert "float32 of shape [5, 8]" in notes[0]
+
+
+def test_a_static_input_buffer_is_captured_as_fed_after_the_first_step(incidents_in_tmp):
+    # the loop of a CUDA graph or a pinned prefetch buffer: one tensor refilled for every
+    # micro-batch of every step; once a step found it refilled, it is copied as each forward begins
+    from nanguard import incident as capture
+
+    class Tagged(nn.Module):  # an input buffer and an integer one, given by keyword
+        def __init__(self):
+            super().__init__()
+            self.body = make_mlp()
+
+        def forward(self, x, ids):
+            return self.body(x) + ids.unsqueeze(1)
+
+    model = Tagged()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer, ids = torch.empty(5, 8), torch.zeros(5, dtype=torch.long)
+    fed = []
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(3):
+                fed.clear()
+                for k in range(2):
+                    buffer.copy_(torch.randn(5, 8))
+                    ids.fill_(10 * step + k)
+                    fed.append((buffer.clone(), ids.clone()))
+                    model.body[2].armed = (step, k) == (2, 0)
+                    model(buffer, ids=ids).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert info.value.event.step == 2 and info.value.event.micro_batch == 0
+    notes = []
+    batches = capture.read_incident(info.value.incident).rank_batches(0, notes)
+    assert notes == []
+    assert [(torch.equal(b["args"][0], x), torch.equal(b["kwargs"]["ids"], i)) for b, (x, i) in zip(batches, fed)] \
+        == [(True, True), (True, True)]
+
+
+def test_an_input_the_model_changes_in_place_is_captured_as_fed(incidents_in_tmp):
+    # a forward that normalises its input in place: the batch held by reference would be
+    # written normalised, and a replay would normalise it twice
+    from nanguard import incident as capture
+
+    class Normalising(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = make_mlp()
+
+        def forward(self, x):
+            return self.body(x.sub_(x.mean()))
+
+    model = Normalising()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(3):
+                x = torch.randn(5, 8) + 3
+                fed = x.clone()
+                model.body[2].armed = step == 2
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    notes = []
+    (batch,) = capture.read_incident(info.value.incident).rank_batches(0, notes)
+    assert notes == [] and torch.equal(batch["args"][0], fed)
 
 
 def test_capture_can_be_turned_off_and_batches_left_out(incidents_in_tmp):

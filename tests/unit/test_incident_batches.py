@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from test_capture import first_event, make_incident
 
 from nanguard.incident import IncidentError, read_incident
-from nanguard.incident.batches import TAG, decode, encode
+from nanguard.incident.batches import TAG, Missing, decode, encode
+from nanguard.replay.fill import fill, incomplete
 
 
 class Encoding(UserDict):
@@ -99,10 +100,26 @@ def test_the_containers_models_are_fed_come_back_as_they_were():
     assert back["kwargs"]["dtype"] is torch.float16
 
 
-def test_what_cannot_be_kept_is_named_and_fed_as_none():
+def test_what_cannot_be_kept_is_named_and_read_back_as_missing():
     back, notes = round_trip({"args": (torch.ones(1), object()), "kwargs": {"fn": len}})
-    assert back["args"][1] is None and back["kwargs"]["fn"] is None
-    assert len(notes) == 2 and "builtins.object" in notes[0] and "None was fed in its place" in notes[0]
+    assert type(back["args"][1]) is Missing and type(back["kwargs"]["fn"]) is Missing
+    assert "builtins.object" in back["args"][1].what and "builtin_function_or_method" in back["kwargs"]["fn"].what
+    assert len(notes) == 2 and "builtins.object" in notes[0] and "the script's own value" in notes[0]
+
+
+def test_a_missing_value_is_filled_from_the_same_place_in_the_scripts_call():
+    point = Point(torch.zeros(1), Missing("a lost tensor"))
+    captured = (torch.ones(2), Missing("an object"), {"mask": Missing("a mask"), "ids": torch.arange(3)}, point)
+    own = (torch.zeros(2), "own object", {"mask": "own mask", "ids": torch.zeros(3)}, Point(1, 2))
+    filled = fill(captured, own)
+    assert filled[0] is captured[0] and filled[1] == "own object"
+    assert filled[2]["mask"] == "own mask" and filled[2]["ids"] is captured[2]["ids"]
+    assert filled[3] is own[3]  # another kind of container lacking a value: the script's, whole
+    # where the script's call has nothing at that place (or another shape), None
+    assert fill(captured, ()) == (captured[0], None, {"mask": None, "ids": captured[2]["ids"]}, None)
+    assert fill({"mask": Missing("m")}, [1]) == {"mask": None}
+    complete = (torch.ones(1), {"a": 1})
+    assert fill(complete, ()) is complete and not incomplete(complete) and incomplete(captured)
 
 
 def test_a_class_the_script_has_not_imported_is_fed_as_its_plain_equivalent():

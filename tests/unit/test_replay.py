@@ -314,3 +314,58 @@ def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
         script()
     assert seen["scheduler"]["last_epoch"] == err.event.step
     assert read_incident(err.incident).replay_report()["verdict"] == "reproducible"
+
+
+def static_buffer_script(bad_step: int | None, steps: int = 3):
+    """Accumulation from one input buffer refilled in place for every micro-batch: a NaN in the
+    data of micro-batch 0 at ``bad_step``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    buffer = torch.empty(6, 8)
+    with nanguard.init(model, optimizer):
+        for step in range(steps):
+            for micro in range(2):
+                buffer.copy_(torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + micro)))
+                if (step, micro) == (bad_step, 0):
+                    buffer[1, 2] = math.nan
+                model(buffer).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("bad_step", [0, 2])
+def test_a_static_input_buffer_replays_as_fed_or_says_what_it_lacked(monkeypatch, bad_step):
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        static_buffer_script(bad_step)
+    incident = info.value.incident
+    monkeypatch.setenv("NANGUARD_REPLAY", incident)
+    with pytest.raises(SystemExit) as finished:
+        static_buffer_script(None)  # the script as it is: its own data is clean
+    assert finished.value.code == 0
+    report = read_incident(incident).replay_report()
+    if bad_step == 2:  # the first step found the buffer refilled: every later batch was copied as fed
+        assert report["verdict"] == "reproducible" and not report["own_data"], report["message"]
+        assert report["first_event"]["input_nonfinite"] is True
+        return
+    # the first step's micro-batch 0 was refilled before anything copied it: the incident lacks it,
+    # and the replay feeds the script's own buffer there (not None, on which the forward would fail)
+    assert report["verdict"] == "not_reproducible" and report["own_data"] and report["first_event"] is None
+    assert "says nothing of the hardware" in report["message"] and report["suspects"] == []
+    assert report["devices"]["finding"] == "not_compared"
+    assert any("changed in place after its forward" in note and "the script's own value" in note
+               for note in report["notes"])
+    assert report["samples"]["0"]["searched"] is False
+
+
+def test_a_replay_without_the_captured_batch_does_not_blame_the_hardware(monkeypatch):
+    # capture_batch=False: the replay runs on the script's own first batch, which is clean; a
+    # clean step then says nothing of the device that saw the NaN sample
+    before, err = train(nn.Linear(16, 16), bad_sample_at=4, init_kwargs={"capture_batch": False})
+    assert err is not None and err.event.step == 4
+    report = replay(monkeypatch, err.incident, nn.Linear(16, 16), bad_sample_at=4,
+                    init_kwargs={"capture_batch": False})
+    assert report["verdict"] == "not_reproducible" and report["own_data"]
+    assert "says nothing of the hardware" in report["message"] and report["suspects"] == []
+    assert report["devices"]["finding"] == "not_compared"
+    assert any("capture_batch=False" in note for note in report["notes"])

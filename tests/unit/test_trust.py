@@ -84,6 +84,26 @@ def test_a_batch_refilled_in_place_before_the_decision_is_not_taken_for_finite()
             assert event.input_nonfinite is True and "input batch of the model was already" in event.message
 
 
+def test_a_static_input_buffer_is_checked_as_each_forward_was_fed_after_the_first_step():
+    # the same loop run on: after the first step, which found the buffer refilled, each batch
+    # is held as fed (with captures on), so the NaN of micro-batch 0 is found in the batch exactly
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    buffer = torch.empty(32, 8)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        for step in range(3):
+            for k in range(2):
+                buffer.copy_(torch.randn(32, 8))
+                buffer[3, 2] = math.nan if (step, k) == (2, 0) else 0.0
+                model(buffer).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        (event,) = guard.events
+    assert (event.step, event.layer, event.micro_batch) == (2, "0", 0)
+    assert event.input_nonfinite is True and "input batch of the model was already" in event.message
+    assert event.bad_count == 1 and tuple(event.first_index) == (3, 2)
+
+
 def test_a_huge_finite_tensor_is_never_read_as_non_finite_nor_blamed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), Huge(), Broken(), nn.Linear(64, 2))
