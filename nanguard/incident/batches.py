@@ -199,6 +199,12 @@ def _mapping(data: dict, again, notes: list[str]) -> Mapping:
         new.__dict__.update(state)  # a UserDict keeps its items here ("data"), a ModelOutput its fields
         for key, value in items.items() if base is not object else ():
             base.__setitem__(new, key, value)
+        try:  # its own methods read it now, as the replayed forward will: crafted state can break them
+            whole = len(new) == len(items) and all(key in new for key in items)
+        except Exception:  # noqa: BLE001 (any failure of the class's code on that state)
+            whole = False
+        if not whole:
+            raise TypeError("its items do not read back as written")
         return new
 
     return _build(_known_class(_field(data, "type", str), Mapping, notes, "dict"), make, items, notes)
