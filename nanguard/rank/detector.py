@@ -144,7 +144,8 @@ class Detector:
                 continue  # in and out are its first and last child's, probed there (a subclass is hooked)
             # with its keyword arguments: transformers' layers pass tensors by keyword
             # (self_attn(hidden_states=..., attention_mask=...)), a value born before is told apart
-            hook = forward_hook(self, slot, mode, leaf, named=module is root)
+            hook = forward_hook(self, slot, mode, leaf, named=module is root, untouched=isinstance(
+                module, nn.modules.dropout._DropoutNd) and not module.inplace)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         for module in names:
             if type(module).__name__ == "DistributedDataParallel":
@@ -178,7 +179,7 @@ class Detector:
 
     # ------------------------------------------------------------------ hot path
     def _add(self, tensor: torch.Tensor, role: int, slot: int, lazy: bool = False,
-             field: str | None = None) -> None:
+             field: str | None = None, passed: bool | None = False) -> None:
         """Probe a forward tensor and remember it as checked. A ``lazy`` one (the batch) is only
         kept, when the byte budget allows, and checked exactly once the step is known bad."""
         if _transformed(tensor):
@@ -215,15 +216,18 @@ class Detector:
                     torch._C._set_grad_enabled(True)
         records = log.records
         self._seen[id(tensor)] = (ref, version, len(records))
-        records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos))
+        records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos,
+                             passed))
 
-    def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
-        seen = self._seen
+    def _unchecked(self, tensors: list[torch.Tensor], as_outputs: bool = False) -> list[torch.Tensor]:
+        """Those of ``tensors`` not probed or marked yet (or modified in place since); ``as_outputs``:
+        also those probed only as evidence (another call's input), which no output probe covers."""
+        seen, records = self._seen, self.log.records
         out = []
         for tensor in tensors:
             entry = seen.get(id(tensor))
-            if entry is None or entry[0]() is not tensor or entry[1] != version_of(tensor):
+            if entry is None or entry[0]() is not tensor or entry[1] != version_of(tensor) or (
+                    as_outputs and entry[2] is not None and records[entry[2]].role == IN):
                 out.append(tensor)
         return out
 
@@ -341,14 +345,22 @@ def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
 
 
-def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False):
+def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False,
+                 untouched: bool = False):
     """The forward hook of one module (its slot and mode; ``named``: the root, whose output
-    fields are named)."""
+    fields are named; ``untouched``: when it returns its input tensor, the module left it as it
+    came, a dropout that never works in place).
+
+    A value the module passes on (a finite-preserving module, or its input tensor returned) is
+    probed as its output unless what it took was checked as an output already: non-finite there,
+    it was non-finite before the module (``Probe.passed``), and the module is not blamed for it."""
     is_compiling = torch.compiler.is_compiling
-    add, unchecked, seen = detector._add, detector._unchecked, detector._seen
+    add, seen = detector._add, detector._seen
     log = detector.log
+    records = log.records
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
+    passing = True if mode == PASS_MODE or untouched else None
 
     def hook(module, args, kwargs, output):
         if is_compiling():
@@ -365,31 +377,53 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
             # the common call, one tensor in and one out, both with versions: the general path inlined
             x = args[0]
             entry = seen.get(id(x))
-            if (entry is None or entry[0]() is not x or entry[1] != x._version) and (
-                    x.is_floating_point() or x.is_complex()):
+            if entry is not None and (entry[0]() is not x or entry[1] != x._version):
+                entry = None  # another tensor, or changed in place since it was seen
+            if mode == PASS_MODE or output is x:  # a value passed on
+                if not (output.is_floating_point() or output.is_complex()):
+                    return None
+                if entry is not None and (entry[2] is None or records[entry[2]].role != IN):
+                    if output is not x:  # what it took was checked: so is what it made of it
+                        seen[id(output)] = (weakref.ref(output), output._version, entry[2])
+                    return None
+                add(output, OUT, slot, passed=passing)
+                return None
+            if entry is None and (x.is_floating_point() or x.is_complex()):
                 add(x, IN, slot)
             if output.is_floating_point() or output.is_complex():
                 entry = seen.get(id(output))
-                if entry is None or entry[0]() is not output or entry[1] != output._version:
-                    if mode == PASS_MODE:
-                        seen[id(output)] = (weakref.ref(output), output._version, None)
-                    else:
-                        add(output, OUT, slot)
+                if entry is None or entry[0]() is not output or entry[1] != output._version or (
+                        entry[2] is not None and records[entry[2]].role == IN):
+                    add(output, OUT, slot)
             return None
-        # a root's output is named field by field (a model's loss is told from its logits)
-        fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
-                  if named and type(output) is not tensor_type else {})
-        outputs = floating_tensors(output)
-        if mode == SKIP_MODE:
-            detector._mark_seen(outputs)
-            return None
-        for tensor in unchecked(call_tensors(args, kwargs)):
-            add(tensor, IN, slot)
-        if mode == PASS_MODE:
-            detector._mark_seen(outputs)
-        else:
-            for tensor in unchecked(outputs):
-                add(tensor, OUT, slot, field=fields.get(id(tensor)))
-        return None
+        return _general_call(detector, slot, mode, passing, named, args, kwargs, output)
 
     return hook
+
+
+def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None, named: bool,
+                  args: tuple, kwargs: dict, output: Any) -> None:
+    """``forward_hook``'s work for any call but one tensor in and one out."""
+    add, unchecked = detector._add, detector._unchecked
+    # a root's output is named field by field (a model's loss is told from its logits)
+    fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
+              if named and type(output) is not torch.Tensor else {})
+    outputs = floating_tensors(output)
+    if mode == SKIP_MODE:
+        detector._mark_seen(outputs)
+        return None
+    inputs = call_tensors(args, kwargs)
+    if mode == PASS_MODE:
+        if unchecked(inputs, as_outputs=True):
+            for tensor in unchecked(outputs, as_outputs=True):
+                add(tensor, OUT, slot, field=fields.get(id(tensor)), passed=True)
+        else:
+            detector._mark_seen(outputs)
+        return None
+    given, returned = {id(t) for t in inputs}, {id(t) for t in outputs}
+    for tensor in unchecked(inputs):
+        if id(tensor) not in returned:  # an input returned is probed as an output
+            add(tensor, IN, slot)
+    for tensor in unchecked(outputs, as_outputs=True):
+        add(tensor, OUT, slot, field=fields.get(id(tensor)), passed=passing if id(tensor) in given else False)
+    return None

@@ -8,6 +8,7 @@ is still there. Then gradients: the first bad parameter gradient in backward ord
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ import torch
 
 from ..events import Event
 from . import forensics
-from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, StepLog
+from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 
 if TYPE_CHECKING:
     from .decision import Reading
@@ -26,6 +27,8 @@ MakeEvent = Callable[[dict[str, Any]], Event]
 
 _UNEXACT = ("no element detail: the tensor was freed and lay beyond the step's detail_mb budget"
             " (raise detail_mb to keep it)")
+_CHANGED = ("no element detail: the tensor was changed in place after it was checked (an in-place"
+            " activation, say)")
 _FROM_OTHER_RANK = ("this rank's own gradients were finite before DDP's all-reduce: another rank"
                     " sent the non-finite values")
 
@@ -85,8 +88,9 @@ def _finite(pair: tuple[float, float] | None) -> bool:
 def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
     """What a probe alone says of a tensor that is gone: NaN (both extremes are NaN then) or Inf."""
     has_nan = math.isnan(pair[0])
+    kept = record.kept() if isinstance(record.kept, weakref.ref) else record.kept
     stats: dict[str, Any] = {"has_nan": has_nan, "has_inf": not has_nan and not (
-        math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": _UNEXACT}
+        math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": _UNEXACT if kept is None else _CHANGED}
     if record.shape is not None:
         stats |= {"shape": tuple(record.shape), "numel": math.prod(record.shape),
                   "dtype": str(record.dtype).removeprefix("torch.")}
@@ -112,6 +116,8 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(
             "first non-finite module output seen in a compiled graph, where inputs and containers are"
             " not checked: it may have been born just before this module", fields.get("message"))}
+    if record.passed is not False:
+        return fields | _passed_on(catalog, log, index, info, fields.get("message"))
     source = _bad_input(catalog, log, extremes, index)
     if source is None:
         return fields | _explain_output(info.module(), fields.get("message"))
@@ -144,12 +150,15 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     while j >= 0 and log.records[j].slot == slot and log.records[j].role in (IN, OUT):
         pair = extremes[j]
         if log.records[j].role == IN and not _finite(pair):
-            before = [catalog.slots[r.slot].name for r in log.records[:j] if r.role == OUT]
-            parent = _common_parent(catalog.slots[slot].name, before[-1] if before else "")
             return (math.isnan(pair[0]), log.records[j].tensor(),
-                    "its input was already non-finite: the value was born outside any module, in the"
-                    f" forward code of {parent or 'the root module'} (before this module ran)")
+                    "its input was already non-finite: the value was born outside any module, before"
+                    f" this module ran, in the forward code of {_code_between(catalog, log, j)}")
         j -= 1
+    return _bad_batch(catalog, log, index)
+
+
+def _bad_batch(catalog: Catalog, log: StepLog, index: int) -> tuple[bool | None, torch.Tensor | None, str] | None:
+    """``_bad_input`` of the batch of the forward that made probe ``index``, checked exactly now."""
     start, root = next(((s[0], s[1]) for s in reversed(log.spans) if s[0] <= index), (0, None))
     found, unchecked = None, False
     for k in range(start, index):
@@ -171,6 +180,26 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     if found is None:
         return None
     return (*found, f"the input batch of {name or 'the model'} was already non-finite")
+
+
+def _passed_on(catalog: Catalog, log: StepLog, index: int, info: Slot, message: str | None) -> dict[str, Any]:
+    """Fields of a bad output the module passed on (``Probe.passed``): from the batch, or made by
+    forward code before the module (or, its input returned changed in place, maybe by it)."""
+    batch = _bad_batch(catalog, log, index)
+    if batch is not None and batch[0] is not None:
+        return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
+                "message": _join(batch[2], message)}
+    before = f"in the forward code of {_code_between(catalog, log, index)}"
+    if log.records[index].passed:
+        note = (f"its input was already non-finite ({info.module_type} passes values on as they come): the"
+                f" value was born outside any module, before this module ran, {before}")
+        return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(note, message)}
+    module = info.module()
+    bad = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
+    own = f" (its parameter(s) {', '.join(bad)} are non-finite)" if bad else ""
+    note = ("it returned its input tensor itself, changed in place here or passed on as it came: the value"
+            f" was born in this module{own}, or before it, outside any module, {before}")
+    return {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(note, message)}
 
 
 def _explain_output(module: torch.nn.Module | None, message: str | None) -> dict[str, Any]:
@@ -266,13 +295,27 @@ def _join(*parts: str | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def _common_parent(name: str, previous: str) -> str:
-    """The innermost module containing both names (whose forward code ran between them)."""
-    own = name.split(".")[:-1]
-    other = previous.split(".")[:-1] if previous else own
-    common = []
-    for a, b in zip(own, other):
-        if a != b:
-            break
-        common.append(a)
-    return ".".join(common)
+def _code_between(catalog: Catalog, log: StepLog, index: int) -> str:
+    """Whose forward code ran between the last module output checked before probe ``index`` and
+    that probe's call: the modules from their innermost common parent down to the call's parent
+    (a plain ``nn.Sequential`` runs none). Those with a non-finite parameter of their own are
+    named alone (a ViT's position embedding, a norm layer that calls ``F.batch_norm``)."""
+    name = catalog.slots[log.records[index].slot].name
+    previous = next((catalog.slots[r.slot].name for r in reversed(log.records[:index]) if r.role == OUT), "")
+    own, other = name.split(".")[:-1] if name else [], previous.split(".")[:-1] if previous else []
+    depth = next((i for i, (a, b) in enumerate(zip(own, other)) if a != b), min(len(own), len(other)))
+    by_name = {s.name: s for s in catalog.slots}
+    found, blamed = [], []
+    for cut in range(depth, len(own) + 1):
+        label = ".".join(own[:cut])
+        slot = by_name.get(label)
+        module = slot.module() if slot is not None else None
+        if type(module) is torch.nn.Sequential:
+            continue
+        found.append(label or "the root module")
+        bad = [n for n, p in module.named_parameters(recurse=False) if not forensics.is_finite(p)] if module else []
+        if bad:
+            blamed.append(f"{found[-1]}, whose parameter(s) {', '.join(bad)} are non-finite")
+    if blamed:
+        return " or ".join(blamed)
+    return " or ".join(found) or "the root module"

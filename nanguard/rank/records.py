@@ -70,6 +70,10 @@ class Probe:
     """the index of the name ``Guard.check`` later gave this same tensor (a loss the model returned)"""
     pos: int = -1
     """where its (minimum, maximum) are in ``StepLog.values`` (OUT and CHECK probes)"""
+    passed: bool | None = False
+    """an OUT probe of a value the module passed on: True, as it came (a finite-preserving module,
+    a dropout that returned its input), so non-finite here was non-finite before the module; None,
+    its input tensor itself, maybe changed in place here (born here or before, unknown which)"""
 
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""

@@ -12,7 +12,7 @@ import nanguard
 from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
                      until_stop)
 from oracles import ForwardOracle, GradOracle, StateBefore
-from zoo import image_batch, poison_backward_of, resnet, vit
+from zoo import efficientnet, image_batch, poison_backward_of, resnet, vit
 
 needs("timm")
 
@@ -145,3 +145,42 @@ def test_resnet_skip_leaves_batchnorm_statistics_and_eval_stays_finite():
             out = model(image_batch(9)[0])
         assert torch.isfinite(out).all()
         assert [e.step for e in guard.events] == [BAD_STEP]
+
+
+def forward_fault(model, fault):
+    """Train until nanguard stops, ``fault`` applied before step BAD_STEP; the event and what an
+    independent oracle saw make the first non-finite module output."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        oracle = ForwardOracle(model)
+
+        def arm(i):
+            if i == BAD_STEP:
+                with torch.no_grad():
+                    fault()
+
+        try:
+            _, err, _ = until_stop(vit_step(model, optimizer), model, optimizer, steps=4, arm=arm, oracles=[oracle])
+        finally:
+            oracle.close()
+    return err.event, oracle.producer()
+
+
+def test_vit_nan_position_embedding_is_blamed_on_the_code_that_adds_it():
+    # VisionTransformer adds pos_embed in its own code and hands the sum to pos_drop (a Dropout of
+    # p=0, which returns its input): the first LayerNorm after it did not make the NaN
+    model = vit()
+    event, truth = forward_fault(model, lambda: model.pos_embed[0, 3, 5].fill_(math.nan))
+    assert (truth.name, truth.inputs_finite) == ("pos_drop", False)
+    assert (event.step, event.kind, event.layer, event.input_nonfinite) == (BAD_STEP, "forward", truth.name, True)
+    assert "forward code of the root module, whose parameter(s) pos_embed are non-finite" in event.message
+
+
+def test_efficientnet_bad_batchnorm_bias_is_named_in_the_norm_that_applies_it():
+    # BatchNormAct2d runs F.batch_norm in its own forward; the Identity after it is the first
+    # module to hand on the NaN, and the convolution after that took a NaN, it did not make one
+    model = efficientnet()
+    event, truth = forward_fault(model, lambda: model.blocks[3][0].bn2.bias[3].fill_(math.nan))
+    assert (truth.name, truth.inputs_finite) == ("blocks.3.0.bn2.drop", False)
+    assert (event.kind, event.layer, event.input_nonfinite) == ("forward", truth.name, True)
+    assert "forward code of blocks.3.0.bn2, whose parameter(s) bias are non-finite" in event.message

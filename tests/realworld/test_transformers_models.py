@@ -15,7 +15,7 @@ import nanguard
 from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
                      until_stop)
 from oracles import ForwardOracle
-from zoo import bert, gpt2, llama, t5, token_batch
+from zoo import bert, gpt2, llama, mixtral, t5, token_batch
 
 needs("transformers")
 
@@ -288,6 +288,31 @@ def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(
     else:
         assert (truth.name, truth.inputs_finite) == ("model.layers.1.self_attn.o_proj", False)
         assert "forward code of model.layers.1.self_attn" in event.message
+    assert_untouched(before, model, optimizer)
+
+
+def test_mixtral_nan_expert_weight_is_named_in_the_experts_own_code():
+    """The experts apply their own gate_up_proj in their forward code, then hand the result to
+    act_fn: the report names that code and that parameter, not the router's parent."""
+    model = mixtral()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    experts = model.model.layers[0].mlp.experts
+
+    def arm(i):
+        if i == 1:
+            with torch.no_grad():
+                experts.gate_up_proj[:, 3, 5] = math.nan  # in every expert: whichever is routed to
+
+    with nanguard.init(model, optimizer):
+        oracle = ForwardOracle(model)
+        step, err, before = until_stop(lm_step(model, optimizer), model, optimizer, steps=3, arm=arm,
+                                       oracles=[oracle])
+        oracle.close()
+    truth, event = oracle.producer(), err.event
+    assert (truth.name, truth.inputs_finite) == ("model.layers.0.mlp.experts.act_fn", False)
+    assert (step, event.kind, event.layer, event.input_nonfinite) == (1, "forward", truth.name, True)
+    assert "forward code of model.layers.0.mlp.experts, whose parameter(s) gate_up_proj are non-finite" \
+        in event.message, event.message
     assert_untouched(before, model, optimizer)
 
 

@@ -99,6 +99,17 @@ def llama() -> nn.Module:
         num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa"))
 
 
+def mixtral() -> nn.Module:
+    """transformers' Mixtral: a router, then experts that hold their weights as parameters of their
+    own (``gate_up_proj``) and apply them in their own forward code before calling ``act_fn``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ))
+
+
 # ------------------------------------------------------------------ timm
 class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves an empty ``torchvision`` (and any ``torchvision.*``) whose attributes are
@@ -172,6 +183,14 @@ def resnet() -> nn.Module:
     timm = import_timm()
     torch.manual_seed(0)
     return timm.create_model("test_resnet", pretrained=False, num_classes=10)
+
+
+def efficientnet() -> nn.Module:
+    """timm's ``test_efficientnet``: BatchNormAct2d layers, which run the norm in their own code
+    and hand its result to an Identity and an in-place SiLU."""
+    timm = import_timm()
+    torch.manual_seed(0)
+    return timm.create_model("test_efficientnet", pretrained=False, num_classes=10)
 
 
 def image_batch(step: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

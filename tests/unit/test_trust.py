@@ -437,3 +437,122 @@ def test_a_storm_of_the_same_report_logs_once_a_minute(caplog):
         assert len(guard.events) == 6 and guard.step == 6  # every step is still an event
     reports = [r for r in caplog.records if "non-finite" in r.getMessage()]
     assert len(reports) == 1 and "continuing (on_nan=warn)" in reports[0].getMessage()
+
+
+# ---------------------------------------------------------------- values passed on
+# A value made in forward code and handed on by a module that passes values as they come (an
+# Identity, a dropout of p=0 that returns its input, an activation, in place or not) is checked
+# where it is passed on, and blamed on the code before: never on the next module, as "inputs
+# were finite" (found on timm's DeiT, EfficientNet and transformers' ViT).
+
+def _stop_at_step_2(model, fault, width=8):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    fault()
+            model(torch.randn(4, width)).sum().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err.event
+            optimizer.zero_grad()
+    raise AssertionError("no stop")
+
+
+class Offset(nn.Module):
+    """A learned offset added in its own forward code (a ViT's position embedding), then handed
+    to ``passing`` before a LayerNorm."""
+
+    def __init__(self, passing: nn.Module):
+        super().__init__()
+        self.proj, self.pos = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+        self.drop, self.norm, self.head = passing, nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.drop(self.proj(x) + self.pos)))
+
+
+@pytest.mark.parametrize("passing", [nn.Identity(), nn.Dropout(0.0), nn.ReLU(), nn.ReLU(inplace=True)],
+                         ids=["identity", "dropout-p0", "relu", "relu-inplace"])
+def test_a_value_made_in_forward_code_and_passed_on_is_blamed_on_that_code(passing):
+    torch.manual_seed(0)
+    model = Offset(passing)
+    event = _stop_at_step_2(model, lambda: model.pos.fill_(math.inf))
+    assert (event.layer, event.input_nonfinite) == ("drop", True), event.message
+    assert "forward code of the root module, whose parameter(s) pos are non-finite" in event.message
+
+
+class NormAct(nn.BatchNorm1d):
+    """timm's BatchNormAct2d in one dimension: the norm in its own code, then a child Identity
+    and an in-place activation, whose output it returns."""
+
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.drop, self.act = nn.Identity(), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                     self.training, self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+def test_a_norm_that_calls_its_function_in_its_own_code_is_named_with_its_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), NormAct(16), nn.Linear(16, 4))
+    event = _stop_at_step_2(model, lambda: model[1].weight.fill_(math.inf))
+    assert (event.layer, event.input_nonfinite) == ("1.drop", True), event.message
+    assert "forward code of 1, whose parameter(s) weight are non-finite" in event.message
+    assert "changed in place after it was checked" in event.message  # the ReLU wrote into it since
+
+
+class ScaleInPlace(nn.Module):
+    """timm's LayerScale with inplace=True: returns its input tensor, multiplied in place."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x.mul_(self.gamma)
+
+
+def test_a_module_that_returns_its_input_changed_in_place_is_not_cleared_nor_skipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), ScaleInPlace(16), nn.Linear(16, 4))
+    event = _stop_at_step_2(model, lambda: model[2].gamma.fill_(math.nan))
+    # born in it or before it: from its output alone nothing tells which, and the report says so
+    assert (event.layer, event.input_nonfinite) == ("2", None), event.message
+    assert "returned its input tensor itself" in event.message and "gamma" in event.message
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.act = nn.Parameter(torch.randn(16, 8) * 0.1), nn.SiLU()
+
+    def forward(self, x):
+        return self.act(nn.functional.linear(x, self.w))  # its own weight, in its own code
+
+
+class Routed(nn.Module):
+    """Mixtral's sparse MLP in small: a router, then experts that apply their own weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 2), Experts()
+
+    def forward(self, x):
+        weights = self.gate(x).softmax(-1)
+        return self.experts(x) * weights[:, :1]
+
+
+def test_the_code_that_made_a_value_is_the_innermost_that_ran_not_the_common_parent():
+    # the last module output checked before the bad value is the router's, a sibling of the
+    # experts: their common parent did not make it, the experts' own forward code did
+    torch.manual_seed(0)
+    model = nn.Sequential(Routed(), nn.Linear(16, 4))
+    event = _stop_at_step_2(model, lambda: model[0].experts.w[0, 0].fill_(math.nan))
+    assert (event.layer, event.input_nonfinite) == ("0.experts.act", True), event.message
+    assert "forward code of 0.experts, whose parameter(s) w are non-finite" in event.message
