@@ -43,7 +43,7 @@ from .backward import BackwardWatch, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import plain_names, type_name
-from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog, version_of
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
 # floating dtype: their outputs need no probe of their own, the probe of their input covers them.
@@ -219,17 +219,23 @@ class Detector:
         records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos,
                              passed))
 
-    def _unchecked(self, tensors: list[torch.Tensor], as_outputs: bool = False) -> list[torch.Tensor]:
-        """Those of ``tensors`` not probed or marked yet (or modified in place since); ``as_outputs``:
-        also those probed only as evidence (another call's input), which no output probe covers."""
-        seen, records = self._seen, self.log.records
+    def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
+        seen = self._seen
         out = []
         for tensor in tensors:
             entry = seen.get(id(tensor))
-            if entry is None or entry[0]() is not tensor or entry[1] != version_of(tensor) or (
-                    as_outputs and entry[2] is not None and records[entry[2]].role == IN):
+            if entry is None or entry[0]() is not tensor or entry[1] != version_of(tensor):
                 out.append(tensor)
         return out
+
+    def _evidence(self, tensor: torch.Tensor) -> int | None:
+        """The record of the evidence probe that covers ``tensor`` as it is now (another call's
+        input, or a value passed on), or None: not seen, or covered by an output probe."""
+        entry = self._seen.get(id(tensor))
+        if entry is None or entry[2] is None or entry[0]() is not tensor or entry[1] != version_of(tensor):
+            return None
+        return entry[2] if self.log.records[entry[2]].role == IN else None
 
     def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -347,13 +353,11 @@ def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False,
                  untouched: bool = False):
-    """The forward hook of one module (its slot and mode; ``named``: the root, whose output
-    fields are named; ``untouched``: when it returns its input tensor, the module left it as it
-    came, a dropout that never works in place).
+    """The forward hook of one module (its slot and mode; ``named``: the root, whose output fields
+    are named; ``untouched``: a dropout that never works in place, so its input returned is as it came).
 
-    A value the module passes on (a finite-preserving module, or its input tensor returned) is
-    probed as its output unless what it took was checked as an output already: non-finite there,
-    it was non-finite before the module (``Probe.passed``), and the module is not blamed for it."""
+    A value passed on (by a finite-preserving module, or an input returned) is probed as evidence
+    (``Probe.passed``) unless checked as an output already; a call taking evidence links to it (LINK)."""
     is_compiling = torch.compiler.is_compiling
     add, seen = detector._add, detector._seen
     log = detector.log
@@ -376,24 +380,27 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined
             x = args[0]
-            entry = seen.get(id(x))
+            entry = before = seen.get(id(x))
             if entry is not None and (entry[0]() is not x or entry[1] != x._version):
                 entry = None  # another tensor, or changed in place since it was seen
             if mode == PASS_MODE or output is x:  # a value passed on
-                if not (output.is_floating_point() or output.is_complex()):
-                    return None
-                if entry is not None and (entry[2] is None or records[entry[2]].role != IN):
+                if entry is not None and (output is x or entry[2] is None or records[entry[2]].role != IN):
                     if output is not x:  # what it took was checked: so is what it made of it
                         seen[id(output)] = (weakref.ref(output), output._version, entry[2])
-                    return None
-                add(output, OUT, slot, passed=passing)
+                    return None  # (its input returned as it came is covered where it was seen)
+                if output.is_floating_point() or output.is_complex():
+                    add(output, IN, slot, passed=passing)
+                    if output is x and before is not None and before[2] is not None and before[0]() is x:
+                        records[-1].same_as = before[2]  # changed in place here: its probe before
                 return None
-            if entry is None and (x.is_floating_point() or x.is_complex()):
-                add(x, IN, slot)
+            if entry is None:
+                if x.is_floating_point() or x.is_complex():
+                    add(x, IN, slot)
+            elif entry[2] is not None and records[entry[2]].role == IN:
+                records.append(Probe(LINK, slot, None, same_as=entry[2]))
             if output.is_floating_point() or output.is_complex():
                 entry = seen.get(id(output))
-                if entry is None or entry[0]() is not output or entry[1] != output._version or (
-                        entry[2] is not None and records[entry[2]].role == IN):
+                if entry is None or entry[0]() is not output or entry[1] != output._version:
                     add(output, OUT, slot)
             return None
         return _general_call(detector, slot, mode, passing, named, args, kwargs, output)
@@ -404,7 +411,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
 def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None, named: bool,
                   args: tuple, kwargs: dict, output: Any) -> None:
     """``forward_hook``'s work for any call but one tensor in and one out."""
-    add, unchecked = detector._add, detector._unchecked
+    add, unchecked, evidence = detector._add, detector._unchecked, detector._evidence
     # a root's output is named field by field (a model's loss is told from its logits)
     fields = ({id(t): path or None for path, t in named_floating_tensors(output)}
               if named and type(output) is not torch.Tensor else {})
@@ -414,16 +421,23 @@ def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None
         return None
     inputs = call_tensors(args, kwargs)
     if mode == PASS_MODE:
-        if unchecked(inputs, as_outputs=True):
-            for tensor in unchecked(outputs, as_outputs=True):
-                add(tensor, OUT, slot, field=fields.get(id(tensor)), passed=True)
+        if unchecked(inputs) or any(evidence(t) is not None for t in inputs):
+            for tensor in unchecked(outputs):
+                add(tensor, IN, slot, passed=True)
         else:
             detector._mark_seen(outputs)
         return None
     given, returned = {id(t) for t in inputs}, {id(t) for t in outputs}
-    for tensor in unchecked(inputs):
-        if id(tensor) not in returned:  # an input returned is probed as an output
-            add(tensor, IN, slot)
-    for tensor in unchecked(outputs, as_outputs=True):
-        add(tensor, OUT, slot, field=fields.get(id(tensor)), passed=passing if id(tensor) in given else False)
+    fresh = {id(t) for t in unchecked(inputs)}
+    for tensor in inputs:
+        if id(tensor) in fresh:
+            if id(tensor) not in returned:  # an input returned is probed as it leaves
+                add(tensor, IN, slot)
+        elif (same := evidence(tensor)) is not None:
+            detector.log.records.append(Probe(LINK, slot, None, same_as=same))
+    for tensor in unchecked(outputs):
+        if id(tensor) in given:
+            add(tensor, IN, slot, passed=passing)
+        else:
+            add(tensor, OUT, slot, field=fields.get(id(tensor)))
     return None

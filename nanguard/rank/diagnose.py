@@ -17,7 +17,7 @@ import torch
 
 from ..events import Event
 from . import forensics
-from .records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog
 
 if TYPE_CHECKING:
     from .decision import Reading
@@ -27,6 +27,8 @@ MakeEvent = Callable[[dict[str, Any]], Event]
 
 _UNEXACT = ("no element detail: the tensor was freed and lay beyond the step's detail_mb budget"
             " (raise detail_mb to keep it)")
+_UNVERSIONED = ("no element detail: an inference tensor (torch.inference_mode) keeps no version, so it"
+                " cannot be told unchanged since it was checked")
 _CHANGED = ("no element detail: the tensor was changed in place after it was checked (an in-place"
             " activation, say)")
 _FROM_OTHER_RANK = ("this rank's own gradients were finite before DDP's all-reduce: another rank"
@@ -75,10 +77,54 @@ def forward_fields(catalog: Catalog, log: StepLog, extremes: list[tuple[float, f
     for index, (record, pair) in enumerate(zip(log.records, extremes)):
         if record.role not in (OUT, CHECK) or _finite(pair):
             continue
+        index = _passed_to(catalog, log, extremes, index)
+        record, pair = log.records[index], extremes[index]
         tensor = record.tensor()
         stats = forensics.describe(tensor) if tensor is not None else _from_extremes(record, pair)
         return _explain(catalog, log, extremes, index, stats)
     return None
+
+
+def _own_inputs(log: StepLog, index: int) -> list[int]:
+    """The evidence records of the call that made output ``index``, nearest first: its IN probes
+    and its links (``LINK``), which come right before its outputs."""
+    slot, found, j = log.records[index].slot, [], index - 1
+    while j >= 0 and log.records[j].slot == slot and log.records[j].role in (IN, OUT, LINK):
+        if log.records[j].role != OUT:
+            found.append(j)
+        j -= 1
+    return found
+
+
+def _passed_to(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int) -> int:
+    """Where the bad value of output ``index`` was first seen, when a module passed it on
+    (``Probe.passed``): the value its call took (a LINK), or one passed on inside it (a container
+    whose own code computed its output from it); else ``index``. A value with infinities only that
+    became NaN here is not followed: a module makes NaN of an additive -inf mask with a bad weight."""
+    records, out = log.records, extremes[index]
+    carried = (lambda j: not _finite(extremes[j]) and records[j].passed is not False
+               and (math.isnan(extremes[j][0]) or not math.isnan(out[0])))
+    found = next((records[j].same_as for j in _own_inputs(log, index)
+                  if records[j].role == LINK and carried(records[j].same_as)), None)
+    for j in _own_inputs(log, index) if found is None else ():
+        if records[j].role == IN and not _finite(extremes[j]):
+            # made in code from a value passed on since the last checked output (a mean of it)
+            last = next((i for i in range(j - 1, -1, -1) if records[i].role == OUT), -1)
+            found = next((i for i in range(last + 1, j) if records[i].role == IN and carried(i)), None)
+            break
+    if found is None and records[index].role == OUT:
+        name = catalog.slots[records[index].slot].name
+        j = index - 1
+        while j >= 0 and records[j].role != CHECK and _within(catalog.slots[records[j].slot].name, name):
+            if records[j].role == IN and carried(j):
+                found = j  # the earliest, as the walk goes back
+            j -= 1
+    if found is None:
+        return index
+    # back to where it was first passed on, when changed in place since by a module passing it on
+    while (back := records[found].same_as) >= 0 and records[back].role == IN and carried(back):
+        found = back
+    return found
 
 
 def _finite(pair: tuple[float, float] | None) -> bool:
@@ -89,8 +135,9 @@ def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
     """What a probe alone says of a tensor that is gone: NaN (both extremes are NaN then) or Inf."""
     has_nan = math.isnan(pair[0])
     kept = record.kept() if isinstance(record.kept, weakref.ref) else record.kept
+    why = _UNEXACT if kept is None else _UNVERSIONED if kept.is_inference() else _CHANGED
     stats: dict[str, Any] = {"has_nan": has_nan, "has_inf": not has_nan and not (
-        math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": _UNEXACT if kept is None else _CHANGED}
+        math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": why}
     if record.shape is not None:
         stats |= {"shape": tuple(record.shape), "numel": math.prod(record.shape),
                   "dtype": str(record.dtype).removeprefix("torch.")}
@@ -117,7 +164,7 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
             "first non-finite module output seen in a compiled graph, where inputs and containers are"
             " not checked: it may have been born just before this module", fields.get("message"))}
     if record.passed is not False:
-        return fields | _passed_on(catalog, log, index, info, fields.get("message"))
+        return fields | _passed_on(catalog, log, extremes, index, info, fields.get("message"))
     source = _bad_input(catalog, log, extremes, index)
     if source is None:
         return fields | _explain_output(info.module(), fields.get("message"))
@@ -146,14 +193,13 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     Its inputs are the IN probes of that call (values made between modules) or the batch of its
     root's forward, checked exactly now; the outputs of other modules it took were checked finite
     already (they come earlier)."""
-    slot, j = log.records[index].slot, index - 1
-    while j >= 0 and log.records[j].slot == slot and log.records[j].role in (IN, OUT):
+    for j in _own_inputs(log, index):
         pair = extremes[j]
-        if log.records[j].role == IN and not _finite(pair):
-            return (math.isnan(pair[0]), log.records[j].tensor(),
+        if not _finite(pair):
+            seen = log.records[j].same_as if log.records[j].role == LINK else j  # where it was probed
+            return (math.isnan(pair[0]), log.records[seen].tensor(),
                     "its input was already non-finite: the value was born outside any module, before"
-                    f" this module ran, in the forward code of {_code_between(catalog, log, j)}")
-        j -= 1
+                    f" this module ran, in the forward code of {_code_between(catalog, log, extremes, seen)}")
     return _bad_batch(catalog, log, index)
 
 
@@ -182,17 +228,18 @@ def _bad_batch(catalog: Catalog, log: StepLog, index: int) -> tuple[bool | None,
     return (*found, f"the input batch of {name or 'the model'} was already non-finite")
 
 
-def _passed_on(catalog: Catalog, log: StepLog, index: int, info: Slot, message: str | None) -> dict[str, Any]:
+def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int,
+               info: Slot, message: str | None) -> dict[str, Any]:
     """Fields of a bad output the module passed on (``Probe.passed``): from the batch, or made by
     forward code before the module (or, its input returned changed in place, maybe by it)."""
     batch = _bad_batch(catalog, log, index)
     if batch is not None and batch[0] is not None:
         return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
                 "message": _join(batch[2], message)}
-    before = f"in the forward code of {_code_between(catalog, log, index)}"
+    before = f"in the forward code of {_code_between(catalog, log, extremes, index)}"
     if log.records[index].passed:
-        note = (f"its input was already non-finite ({info.module_type} passes values on as they come): the"
-                f" value was born outside any module, before this module ran, {before}")
+        note = (f"its input was already non-finite ({info.module_type} makes no non-finite value of finite"
+                f" ones): the non-finite input was born outside any module, before this module ran, {before}")
         return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(note, message)}
     module = info.module()
     bad = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
@@ -295,22 +342,29 @@ def _join(*parts: str | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def _code_between(catalog: Catalog, log: StepLog, index: int) -> str:
+def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int) -> str:
     """Whose forward code ran between the last module output checked before probe ``index`` and
     that probe's call: the modules from their innermost common parent down to the call's parent
-    (a plain ``nn.Sequential`` runs none). Those with a non-finite parameter of their own are
+    (a plain ``nn.Sequential`` or ``nn.ModuleList`` runs none), and those in between that returned
+    their input changed in place, non-finite. Those with a non-finite parameter of their own are
     named alone (a ViT's position embedding, a norm layer that calls ``F.batch_norm``)."""
     name = catalog.slots[log.records[index].slot].name
-    previous = next((catalog.slots[r.slot].name for r in reversed(log.records[:index]) if r.role == OUT), "")
+    # the last output checked before the call began: its own children's came before its probes
+    last = next((i for i in range(index - 1, -1, -1) if log.records[i].role == OUT
+                 and not _within(catalog.slots[log.records[i].slot].name, name)), -1)
+    previous = catalog.slots[log.records[last].slot].name if last >= 0 else ""
     own, other = name.split(".")[:-1] if name else [], previous.split(".")[:-1] if previous else []
     depth = next((i for i, (a, b) in enumerate(zip(own, other)) if a != b), min(len(own), len(other)))
     by_name = {s.name: s for s in catalog.slots}
+    while depth and type(_module(by_name, ".".join(own[:depth]))) in (torch.nn.ModuleList, torch.nn.ModuleDict):
+        depth -= 1  # a list of modules runs no code: its items are called by the code of its parent
+    labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
+        catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
+        if r.role == IN and r.passed is None and not _finite(extremes[i])]
     found, blamed = [], []
-    for cut in range(depth, len(own) + 1):
-        label = ".".join(own[:cut])
-        slot = by_name.get(label)
-        module = slot.module() if slot is not None else None
-        if type(module) is torch.nn.Sequential:
+    for label in dict.fromkeys(labels):
+        module = _module(by_name, label)
+        if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")
         bad = [n for n, p in module.named_parameters(recurse=False) if not forensics.is_finite(p)] if module else []
@@ -319,3 +373,13 @@ def _code_between(catalog: Catalog, log: StepLog, index: int) -> str:
     if blamed:
         return " or ".join(blamed)
     return " or ".join(found) or "the root module"
+
+
+def _module(by_name: dict[str, Slot], name: str) -> torch.nn.Module | None:
+    slot = by_name.get(name)
+    return slot.module() if slot is not None else None
+
+
+def _within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or inside it."""
+    return not ancestor or name == ancestor or name.startswith(ancestor + ".")

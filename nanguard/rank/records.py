@@ -28,10 +28,11 @@ def version_of(tensor: torch.Tensor) -> int:
         return next(_UNTRACKED)
 
 
-OUT, IN, BATCH, CHECK = range(4)
-"""what a probe looked at: a module's output, a module's input that nothing had checked, the
-batch given to a root module, a tensor given to ``Guard.check``. OUT and CHECK probes can stop a
-step; IN and BATCH probes are evidence of where a value came from"""
+OUT, IN, BATCH, CHECK, LINK = range(5)
+"""what a probe looked at: a module's output, a module's input that nothing had checked (or a value
+it passed on), the batch given to a root module, a tensor given to ``Guard.check``; a LINK is no
+probe: a module took a value already probed as evidence (``same_as``), read from there. OUT and
+CHECK probes can stop a step; IN and BATCH probes are evidence of where a value came from"""
 MAX_CHECK_NAMES = 1024
 
 
@@ -71,9 +72,14 @@ class Probe:
     pos: int = -1
     """where its (minimum, maximum) are in ``StepLog.values`` (OUT and CHECK probes)"""
     passed: bool | None = False
-    """an OUT probe of a value the module passed on: True, as it came (a finite-preserving module,
-    a dropout that returned its input), so non-finite here was non-finite before the module; None,
-    its input tensor itself, maybe changed in place here (born here or before, unknown which)"""
+    """an IN probe of a value the module passed on, probed as it left the module: True, as it came
+    (a finite-preserving module, a dropout that returned its input), so non-finite here was
+    non-finite before the module; None, its input tensor itself, maybe changed in place here (born
+    here or before, unknown which). Evidence, as every IN probe: an additive -inf mask is passed on
+    on purpose, and only a module that makes a non-finite output of it stops a step"""
+    same_as: int = -1
+    """a LINK's record: the evidence probe of the value this call took; a value passed on changed
+    in place: the probe of that tensor before"""
 
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""
@@ -286,6 +292,9 @@ class StepLog:
             if record.role == BATCH:
                 out.append(None)
                 continue
+            if record.role == LINK:
+                out.append(out[record.same_as])
+                continue
             group, values = (IN, evidence) if record.role == IN else (OUT, probes)
             i = positions[group]
             positions[group] = i + 2
@@ -304,7 +313,7 @@ class StepLog:
         owns parameters only at its end, which must not put them first in backward order)."""
         began: dict[int, int] = {}
         for index, record in enumerate(self.records):
-            if record.role in (OUT, IN):
+            if record.role in (OUT, IN, LINK):
                 began.setdefault(record.slot, index)
         for slot, info in enumerate(slots):
             if info.container:

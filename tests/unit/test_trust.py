@@ -476,12 +476,55 @@ class Offset(nn.Module):
 
 @pytest.mark.parametrize("passing", [nn.Identity(), nn.Dropout(0.0), nn.ReLU(), nn.ReLU(inplace=True)],
                          ids=["identity", "dropout-p0", "relu", "relu-inplace"])
-def test_a_value_made_in_forward_code_and_passed_on_is_blamed_on_that_code(passing):
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_value_made_in_forward_code_and_passed_on_is_blamed_on_that_code(passing, bad):
     torch.manual_seed(0)
     model = Offset(passing)
-    event = _stop_at_step_2(model, lambda: model.pos.fill_(math.inf))
-    assert (event.layer, event.input_nonfinite) == ("drop", True), event.message
+    event = _stop_at_step_2(model, lambda: model.pos.fill_(bad))
     assert "forward code of the root module, whose parameter(s) pos are non-finite" in event.message
+    if math.isnan(bad):  # passed on as it came: reported where it was first seen
+        assert (event.layer, event.input_nonfinite) == ("drop", True), event.message
+    else:  # infinities the LayerNorm made NaN of, as it would of a mask's: where the NaN was made
+        assert (event.layer, event.input_nonfinite) == ("norm", True), event.message
+        assert "made here, from those infinities" in event.message
+
+
+class MaskPassedOn(nn.Module):
+    """An additive -inf mask handed through a dropout of p=0 (and returned, with the output, to
+    the caller as a decoder layer returns its cache): evidence, never a stop by itself."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.q, self.drop, self.softmax = nn.Linear(width, width), nn.Dropout(0.0), nn.Softmax(-1)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        return self.softmax(self.drop(scores + mask)) @ x, mask
+
+
+class Returning(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = MaskPassedOn(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        y, mask = self.attn(x, torch.full((x.shape[-2],) * 2, -math.inf).triu(1))
+        y, _ = self.attn(y, mask)
+        return self.head(y)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_minus_inf_mask_passed_on_by_a_module_never_stops_a_step(mode):
+    torch.manual_seed(0)
+    model = Returning()
+    getattr(model, mode)()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(3):
+            model(torch.randn(4, 5, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 3 and guard.events == []
 
 
 class NormAct(nn.BatchNorm1d):
@@ -556,3 +599,67 @@ def test_the_code_that_made_a_value_is_the_innermost_that_ran_not_the_common_par
     event = _stop_at_step_2(model, lambda: model[0].experts.w[0, 0].fill_(math.nan))
     assert (event.layer, event.input_nonfinite) == ("0.experts.act", True), event.message
     assert "forward code of 0.experts, whose parameter(s) w are non-finite" in event.message
+
+
+class Looped(nn.Module):
+    """A learned scale of the root applied between the items of an nn.ModuleList (which runs no
+    code): the root's code made the value, whose parameter is named."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.scales = nn.Parameter(torch.ones(3, 16))
+
+    def forward(self, x):
+        x = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) * self.scales[i]
+        return self.head(x)
+
+
+class Carried(nn.Module):
+    """A value made in the root's code, handed to a container that returns it as it came."""
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(16, 16)
+
+        def forward(self, x, aux):
+            return self.inner(x), aux
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.stage, self.head = nn.Linear(8, 16), self.Stage(), nn.Linear(16, 4)
+        self.aux_scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        h = self.emb(x)
+        h, aux = self.stage(h, h * self.aux_scale)
+        return self.head(h + aux)
+
+
+def test_the_code_named_is_the_code_that_ran_not_a_module_list_nor_a_container_that_returned_it():
+    torch.manual_seed(0)
+    model = Looped()
+    event = _stop_at_step_2(model, lambda: model.scales[1].fill_(math.nan))  # taken by blocks.2
+    assert (event.layer, event.input_nonfinite) == ("blocks.2.0", True), event.message
+    assert "forward code of the root module, whose parameter(s) scales are non-finite" in event.message
+    model = Carried()
+    event = _stop_at_step_2(model, lambda: model.aux_scale.fill_(math.nan))
+    assert (event.layer, event.input_nonfinite) == ("stage", None), event.message
+    assert "forward code of the root module, whose parameter(s) aux_scale are non-finite" in event.message
+
+
+def test_an_inference_tensor_is_not_said_to_have_changed_in_place():
+    torch.manual_seed(0)
+    model = Offset(nn.Dropout(0.0))
+    with nanguard.init(model, on_nan="warn") as guard:
+        with torch.inference_mode():
+            model(torch.randn(4, 8))
+            model.pos.fill_(math.nan)
+            model(torch.randn(4, 8))
+        (event,) = guard.events
+    assert event.layer == "drop" and "pos" in event.message
+    assert "changed in place" not in event.message and "keeps no version" in event.message
