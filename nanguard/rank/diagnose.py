@@ -99,11 +99,10 @@ def _own_inputs(log: StepLog, index: int) -> list[int]:
 def _passed_to(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int) -> int:
     """Where the bad value of output ``index`` was first seen, when a module passed it on
     (``Probe.passed``): the value its call took (a LINK), or one passed on inside it (a container
-    whose own code computed its output from it); else ``index``. A value with infinities only that
-    became NaN here is not followed: a module makes NaN of an additive -inf mask with a bad weight."""
-    records, out = log.records, extremes[index]
-    carried = (lambda j: not _finite(extremes[j]) and records[j].passed is not False
-               and (math.isnan(extremes[j][0]) or not math.isnan(out[0])))
+    whose own code computed its output from it); else ``index``. Only a NaN is followed: infinities
+    come in on purpose (an additive -inf mask), and a module that takes them may make its own."""
+    records = log.records
+    carried = (lambda j: records[j].passed is not False and extremes[j] is not None and math.isnan(extremes[j][0]))
     found = next((records[j].same_as for j in _own_inputs(log, index)
                   if records[j].role == LINK and carried(records[j].same_as)), None)
     for j in _own_inputs(log, index) if found is None else ():
@@ -178,8 +177,14 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
             fields = {key: value for key, value in fields.items() if key != "message"} | described
         return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
                          "message": _join(where, fields.get("message"))}
-    note = (f"{where}, with infinities but no NaN (an additive attention mask, say): the non-finite"
-            " output was made here, from those infinities")
+    # infinities alone came in (an additive -inf mask does that on purpose): the output may have
+    # been made bad here, from them or not, or may carry them on; a bad parameter of its own is named
+    made = ("the NaN was made here, from them or otherwise" if fields.get("has_nan")
+            else "the output's infinities came with it, or were made here")
+    module = info.module()
+    bad = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
+    note = _join(f"{where}; it held infinities but no NaN (as an additive attention mask does): {made}",
+                 f"its parameter(s) {', '.join(bad)} are non-finite" if bad else None)
     return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
                      "message": _join(note, fields.get("message"))}
 
