@@ -661,3 +661,43 @@ def test_an_inference_tensor_is_not_said_to_have_changed_in_place():
         (event,) = guard.events
     assert event.layer == "drop" and "pos" in event.message
     assert "changed in place" not in event.message and "keeps no version" in event.message
+
+
+class Scaled(nn.Module):
+    """A block that takes the causal -inf mask (handed on by a dropout of p=0) and scales its
+    output by a parameter of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.gamma = MaskPassedOn(), nn.Parameter(torch.ones(8))
+
+    def forward(self, x, mask):
+        return self.attn(x, mask)[0] * self.gamma
+
+
+class MaskedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop, self.blocks, self.head = nn.Dropout(0.0), nn.ModuleList(Scaled() for _ in range(2)), nn.Linear(8, 2)
+
+    def forward(self, x):
+        mask = self.drop(torch.full((x.shape[-2],) * 2, -math.inf).triu(1))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+def test_a_block_that_makes_its_own_inf_is_not_blamed_on_the_mask_it_took():
+    torch.manual_seed(0)
+    model = MaskedStack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        model(torch.randn(4, 5, 8)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.blocks[1].gamma[3] = math.inf
+        model(torch.randn(4, 5, 8)).sum().backward()
+        optimizer.step()
+        (event,) = guard.events
+    assert event.layer == "blocks.1" and event.input_nonfinite is True, event.message
+    assert "its parameter(s) gamma are non-finite" in event.message and "held infinities" in event.message
