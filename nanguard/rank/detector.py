@@ -264,11 +264,11 @@ class Detector:
         if self.keep_batches:
             # held for the capture: copies, once a batch was found changed in place by its step's
             # decision (a refilled buffer), probed (lazily) as those copies; the forward's own are seen
-            fed = call_tensors(args, kwargs)
-            args, kwargs, versions = self.feeds.hold(args, kwargs)
-            log.batches.append((root_slot, args, kwargs, versions))
+            held, held_kwargs, versions = self.feeds.hold(args, kwargs)
+            log.batches.append((root_slot, held, held_kwargs, versions))
             if self.feeds.copying:
-                self._mark_seen(self._unchecked(fed))
+                self._mark_seen(self._unchecked(call_tensors(args, kwargs)))
+                args, kwargs = held, held_kwargs
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 

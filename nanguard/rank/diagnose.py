@@ -8,7 +8,6 @@ is still there. Then gradients: the first bad parameter gradient in backward ord
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,14 +102,13 @@ def _passed_to(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     come in on purpose (an additive -inf mask), and a module that takes them may make its own."""
     records = log.records
     carried = (lambda j: records[j].passed is not False and extremes[j] is not None and math.isnan(extremes[j][0]))
-    found = next((records[j].same_as for j in _own_inputs(log, index)
-                  if records[j].role == LINK and carried(records[j].same_as)), None)
-    for j in _own_inputs(log, index) if found is None else ():
-        if records[j].role == IN and not _finite(extremes[j]):
-            # made in code from a value passed on since the last checked output (a mean of it)
-            last = next((i for i in range(j - 1, -1, -1) if records[i].role == OUT), -1)
-            found = next((i for i in range(last + 1, j) if records[i].role == IN and carried(i)), None)
-            break
+    inputs = _own_inputs(log, index)
+    found = next((records[j].same_as for j in inputs if records[j].role == LINK and carried(records[j].same_as)), None)
+    made = next((j for j in inputs if records[j].role == IN and not _finite(extremes[j])), None)
+    if found is None and made is not None:
+        # made in code from a value passed on since the last checked output (a mean of it)
+        last = next((i for i in range(made - 1, -1, -1) if records[i].role == OUT), -1)
+        found = next((i for i in range(last + 1, made) if records[i].role == IN and carried(i)), None)
     if found is None and records[index].role == OUT:
         name = catalog.slots[records[index].slot].name
         j = index - 1
@@ -133,7 +131,7 @@ def _finite(pair: tuple[float, float] | None) -> bool:
 def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
     """What a probe alone says of a tensor that is gone: NaN (both extremes are NaN then) or Inf."""
     has_nan = math.isnan(pair[0])
-    kept = record.kept() if isinstance(record.kept, weakref.ref) else record.kept
+    kept = record.held()
     why = _UNEXACT if kept is None else _UNVERSIONED if kept.is_inference() else _CHANGED
     stats: dict[str, Any] = {"has_nan": has_nan, "has_inf": not has_nan and not (
         math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": why}
@@ -181,8 +179,7 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
     # been made bad here, from them or not, or may carry them on; a bad parameter of its own is named
     made = ("the NaN was made here, from them or otherwise" if fields.get("has_nan")
             else "the output's infinities came with it, or were made here")
-    module = info.module()
-    bad = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
+    bad = _bad_params(info.module())
     note = _join(f"{where}; it held infinities but no NaN (as an additive attention mask does): {made}",
                  f"its parameter(s) {', '.join(bad)} are non-finite" if bad else None)
     return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
@@ -246,18 +243,22 @@ def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
         note = (f"its input was already non-finite ({info.module_type} makes no non-finite value of finite"
                 f" ones): the non-finite input was born outside any module, before this module ran, {before}")
         return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(note, message)}
-    module = info.module()
-    bad = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
+    bad = _bad_params(info.module())
     own = f" (its parameter(s) {', '.join(bad)} are non-finite)" if bad else ""
     note = ("it returned its input tensor itself, changed in place here or passed on as it came: the value"
             f" was born in this module{own}, or before it, outside any module, {before}")
     return {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(note, message)}
 
 
+def _bad_params(module: torch.nn.Module | None, recurse: bool = True) -> list[str]:
+    """The names of ``module``'s non-finite parameters (its own alone unless ``recurse``)."""
+    return [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)] if module else []
+
+
 def _explain_output(module: torch.nn.Module | None, message: str | None) -> dict[str, Any]:
     note = "inputs were finite: the value was born in this module"
     # all of its parameters: nn.MultiheadAttention uses out_proj's weight without calling it
-    bad_params = [n for n, p in (module.named_parameters() if module else []) if not forensics.is_finite(p)]
+    bad_params = _bad_params(module)
     if bad_params:
         note = f"inputs were finite but its parameter(s) {', '.join(bad_params)} are not"
     return {"kind": "forward", "input_nonfinite": False, "output_nonfinite": True,
@@ -372,7 +373,7 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")
-        bad = [n for n, p in module.named_parameters(recurse=False) if not forensics.is_finite(p)] if module else []
+        bad = _bad_params(module, recurse=False)
         if bad:
             blamed.append(f"{found[-1]}, whose parameter(s) {', '.join(bad)} are non-finite")
     if blamed:

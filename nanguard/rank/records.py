@@ -81,9 +81,13 @@ class Probe:
     """a LINK's record: the evidence probe of the value this call took; a value passed on changed
     in place: the probe of that tensor before"""
 
+    def held(self) -> torch.Tensor | None:
+        """The probed tensor if it is still there, changed since or not."""
+        return self.kept() if isinstance(self.kept, weakref.ref) else self.kept
+
     def tensor(self) -> torch.Tensor | None:
         """The probed tensor as it was, or None (freed, or changed in place since)."""
-        tensor = self.kept() if isinstance(self.kept, weakref.ref) else self.kept
+        tensor = self.held()
         if tensor is not None and version_of(tensor) != self.version:
             return None
         return tensor
