@@ -19,7 +19,7 @@ from torch import nn
 from . import forensics
 from .records import version_of
 
-_NORMS = (nn.modules.batchnorm._NormBase,)
+NORMS = (nn.modules.batchnorm._NormBase,)
 """BatchNorm, SyncBatchNorm, InstanceNorm: running statistics written inside their kernels"""
 
 
@@ -33,14 +33,15 @@ class Buffers:
         self._learned = False
         self._versions: dict[str, tuple[int, int]] = {}
         """the version (and identity) each buffer had when the step began"""
-        self._kept: dict[str, torch.Tensor] = {}
+        self.kept: dict[str, torch.Tensor] = {}
+        """copies of the buffers this step may write, as they were when it began, by qualified name"""
         self._spares: list[tuple[weakref.ref, torch.Tensor]] = []
         """(buffer, the place its copy is written to) of the buffers kept last step"""
         self._layout: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
         """their shapes and dtypes"""
 
     def attach(self, module: nn.Module, qualified: str) -> None:
-        tracks = isinstance(module, _NORMS) and getattr(module, "track_running_stats", False)
+        tracks = isinstance(module, NORMS) and getattr(module, "track_running_stats", False)
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None:
                 full = f"{qualified}.{name}".lstrip(".")
@@ -65,7 +66,7 @@ class Buffers:
         current = self._current()
         self._versions = {q: (version_of(b), id(b)) for q, _, _, b in current}
         keep = [(q, b) for q, _, _, b in current if not self._learned or q in self._written]
-        self._kept = dict(zip([q for q, _ in keep], self._copies([b for _, b in keep])))
+        self.kept = dict(zip([q for q, _ in keep], self._copies([b for _, b in keep])))
 
     def _copies(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``buffers``, written into the same places as last step's when they are the
@@ -110,7 +111,7 @@ class Buffers:
         restored = []
         with torch.no_grad():
             for qualified, module, name, buffer in self._current():
-                kept = self._kept.get(qualified)
+                kept = self.kept.get(qualified)
                 if kept is None:
                     continue
                 if id(buffer) == self._versions[qualified][1]:
@@ -127,4 +128,4 @@ class Buffers:
 
     def forget(self) -> None:
         """The step is decided: nothing more to keep for it."""
-        self._kept = {}
+        self.kept = {}

@@ -256,6 +256,7 @@ class Detector:
         log = self.log
         if not log.spans:
             self.buffers.step_started()
+            log.buffers_at_start = self.buffers.kept
             if self.on_step_start is not None:
                 self.on_step_start()
         micro_batch = self._forwards.get(root_slot, 0)

@@ -16,6 +16,7 @@ import torch
 
 from ..events import Event
 from . import forensics
+from .buffers import NORMS
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     values)."""
     fields = forward_fields(catalog, log, log.extremes(reading.probes, reading.evidence))
     if fields is None:
-        fields = buffer_fields(catalog, written, reading.buffers)
+        fields = buffer_fields(catalog, log, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
     fields = gradient_fields(catalog, log, owners, grads, reading.norms)
@@ -164,7 +165,7 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         return fields | _passed_on(catalog, log, extremes, index, info, fields.get("message"))
     source = _bad_input(catalog, log, extremes, index)
     if source is None:
-        return fields | _explain_output(info.module(), fields.get("message"))
+        return fields | _explain_output(log, info, fields.get("message"))
     nan_in, tensor, where = source
     if nan_in is None:  # the batch could not be checked: where the value was born is not known
         return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True,
@@ -179,9 +180,9 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
     # been made bad here, from them or not, or may carry them on; a bad parameter of its own is named
     made = ("the NaN was made here, from them or otherwise" if fields.get("has_nan")
             else "the output's infinities came with it, or were made here")
-    bad = _bad_params(info.module())
+    bad = _bad_state(log, info)
     note = _join(f"{where}; it held infinities but no NaN (as an additive attention mask does): {made}",
-                 f"its parameter(s) {', '.join(bad)} are non-finite" if bad else None)
+                 f"its {bad}" if bad else None)
     return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
                      "message": _join(note, fields.get("message"))}
 
@@ -243,42 +244,75 @@ def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
         note = (f"its input was already non-finite ({info.module_type} makes no non-finite value of finite"
                 f" ones): the non-finite input was born outside any module, before this module ran, {before}")
         return {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(note, message)}
-    bad = _bad_params(info.module())
-    own = f" (its parameter(s) {', '.join(bad)} are non-finite)" if bad else ""
+    bad = _bad_state(log, info)
+    own = f" (its {bad})" if bad else ""
     note = ("it returned its input tensor itself, changed in place here or passed on as it came: the value"
             f" was born in this module{own}, or before it, outside any module, {before}")
     return {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(note, message)}
 
 
-def _bad_params(module: torch.nn.Module | None, recurse: bool = True) -> list[str]:
-    """The names of ``module``'s non-finite parameters (its own alone unless ``recurse``)."""
-    return [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)] if module else []
+def _bad_state(log: StepLog, info: Slot, recurse: bool = True) -> str:
+    """What of a module's state could make a non-finite value of finite ones ("" if nothing), as
+    words to follow "its" or "whose": its non-finite parameters, and its buffers as the step began
+    (one this step wrote is not a cause) that held NaN, or a normalisation layer's running
+    statistics, used in eval, that were non-finite or held a variance below zero (its square root is
+    NaN). Infinities in other buffers are no sign: models keep -inf masks there. Its own alone
+    unless ``recurse``: all of it by default, as nn.MultiheadAttention uses out_proj's weight
+    without calling it."""
+    module = info.module()
+    if module is None:
+        return ""
+    params = [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)]
+    stale, negative = [], []
+    for name, buffer in module.named_buffers(recurse=recurse):
+        buffer = log.buffers_at_start.get(f"{info.name}.{name}".lstrip("."), buffer)
+        if not buffer.is_floating_point() or not buffer.numel():
+            continue
+        owner = module.get_submodule(name.rpartition(".")[0])
+        statistic = isinstance(owner, NORMS) and not owner.training and name.rpartition(".")[2] in (
+            "running_mean", "running_var")
+        values = forensics.plain(buffer)
+        if bool(torch.isnan(values).any()) or (statistic and not forensics.is_finite(values)):
+            stale.append(name)
+        elif statistic and name.endswith("running_var") and bool((values < 0).any()):
+            negative.append(name)
+    return " and ".join(filter(None, (
+        f"parameter(s) {', '.join(params)} are non-finite" if params else "",
+        f"buffer(s) {', '.join(stale)} were non-finite when the step began" if stale else "",
+        f"buffer(s) {', '.join(negative)} held a variance below zero when the step began (its square root"
+        " is NaN)" if negative else "")))
 
 
-def _explain_output(module: torch.nn.Module | None, message: str | None) -> dict[str, Any]:
+def _explain_output(log: StepLog, info: Slot, message: str | None) -> dict[str, Any]:
     note = "inputs were finite: the value was born in this module"
-    # all of its parameters: nn.MultiheadAttention uses out_proj's weight without calling it
-    bad_params = _bad_params(module)
-    if bad_params:
-        note = f"inputs were finite but its parameter(s) {', '.join(bad_params)} are not"
+    bad = _bad_state(log, info)
+    if bad:
+        note = f"inputs were finite but its {bad}"
     return {"kind": "forward", "input_nonfinite": False, "output_nonfinite": True,
             "message": _join(note, message)}
 
 
-def buffer_fields(catalog: Catalog, written: list[tuple[str, torch.Tensor]],
+def buffer_fields(catalog: Catalog, log: StepLog, written: list[tuple[str, torch.Tensor]],
                   norms: list[float]) -> dict[str, Any] | None:
     """Event fields of the first buffer the step's forward wrote non-finite (its outputs were
-    finite: BatchNorm's running statistics can overflow while its normalised output does not)."""
+    finite: BatchNorm's running statistics can overflow while its normalised output does not), or
+    that was non-finite already when the step began (written outside the guarded steps)."""
     bad = next(((name, b) for (name, b), n in zip(written, norms)
                 if not math.isfinite(n) and not forensics.is_finite(b)), None)
     if bad is None:
         return None
     name, buffer = bad
     owner = next((s for s in catalog.slots if s.name == name.rpartition(".")[0]), None)
+    start = log.buffers_at_start.get(name)
+    if start is not None and not forensics.is_finite(start):
+        message = ("it was non-finite already when the step began (written before it: by an earlier step"
+                   " let through, a checkpoint loaded, code between steps); this step's outputs were finite,"
+                   " and putting the buffer back as the step began does not mend it")
+    else:
+        message = ("written by this step's forward, whose outputs were finite; the buffer is put back as it"
+                   " was before the step when the step is stopped or skipped")
     return {"kind": "buffer", "layer": name, "module_type": owner.module_type if owner else "",
-            **forensics.describe(buffer),
-            "message": "written by this step's forward, whose outputs were finite; the buffer is put"
-                       " back as it was before the step when the step is stopped or skipped"}
+            **forensics.describe(buffer), "message": message}
 
 
 def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
@@ -373,9 +407,9 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")
-        bad = _bad_params(module, recurse=False)
+        bad = _bad_state(log, by_name[label], recurse=False) if label in by_name else ""
         if bad:
-            blamed.append(f"{found[-1]}, whose parameter(s) {', '.join(bad)} are non-finite")
+            blamed.append(f"{found[-1]}, whose {bad}")
     if blamed:
         return " or ".join(blamed)
     return " or ".join(found) or "the root module"

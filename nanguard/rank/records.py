@@ -280,6 +280,9 @@ class StepLog:
     value_slots: Slots = field(default_factory=Slots)
     """where the probes of ``values`` write, when they can (see Slots)"""
     evidence_slots: Slots = field(default_factory=Slots)
+    buffers_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
+    """copies of the buffers the step may write, as they were when it began, by qualified name
+    (``Buffers.kept``): a buffer not among them is as it began"""
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
@@ -287,6 +290,7 @@ class StepLog:
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.loss_at = None
+        self.buffers_at_start = {}
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
         """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""

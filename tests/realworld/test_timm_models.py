@@ -184,3 +184,20 @@ def test_efficientnet_bad_batchnorm_bias_is_named_in_the_norm_that_applies_it():
     assert (truth.name, truth.inputs_finite) == ("blocks.3.0.bn2.drop", False)
     assert (event.kind, event.layer, event.input_nonfinite) == ("forward", truth.name, True)
     assert "forward code of blocks.3.0.bn2, whose parameter(s) bias are non-finite" in event.message
+
+
+@pytest.mark.parametrize("build, norm", [(resnet, "layer1.0.bn1"), (efficientnet, "blocks.3.0.bn2")],
+                         ids=["resnet", "efficientnet"])
+def test_a_frozen_batchnorm_with_a_negative_running_variance_is_named(build, norm):
+    # fine-tuning with a norm frozen (eval) normalises by its running statistics: a variance below
+    # zero (a corrupt checkpoint, say) makes NaN of finite inputs, and the statistic is named
+    model = build()
+    frozen = model.get_submodule(norm)
+
+    def fault():
+        frozen.eval()
+        frozen.running_var[:4].fill_(-1.0)
+
+    event, truth = forward_fault(model, fault)
+    assert (event.step, event.kind, event.layer) == (BAD_STEP, "forward", truth.name), (event.layer, truth)
+    assert "buffer(s) running_var held a variance below zero" in event.message, event.message

@@ -254,11 +254,12 @@ def test_t5_nan_weight_in_the_decoder_feed_forward():
     assert_incident_holds(err, before)
 
 
-@pytest.mark.parametrize("fault", ["inf weight", "overflow in attention code"])
+@pytest.mark.parametrize("fault", ["inf weight", "overflow in attention code", "nan rotary frequency"])
 def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(fault):
     """A weight of the feed-forward turned +inf is born in down_proj; queries and keys so large
     that their scores overflow make the NaN in the attention's own code (scaled_dot_product_attention,
-    no module), which o_proj only receives: the report must tell the two apart."""
+    no module), which o_proj only receives: the report must tell the two apart. A NaN in the rotary
+    embedding's frequencies (a buffer) is born there, and named."""
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     layer = model.model.layers[1]
@@ -268,6 +269,8 @@ def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(
             with torch.no_grad():
                 if fault == "inf weight":
                     layer.mlp.down_proj.weight[3, 5] = math.inf
+                elif fault == "nan rotary frequency":
+                    model.model.rotary_emb.inv_freq[3] = math.nan
                 else:  # finite queries and keys whose products pass float32's range
                     layer.self_attn.q_proj.weight.mul_(1e25)
                     layer.self_attn.k_proj.weight.mul_(1e25)
@@ -285,6 +288,9 @@ def test_llama_names_the_module_or_the_code_between_modules_that_made_the_value(
     if fault == "inf weight":
         assert (truth.name, truth.inputs_finite) == ("model.layers.1.mlp.down_proj", True)
         assert "parameter(s) weight" in event.message
+    elif fault == "nan rotary frequency":
+        assert (truth.name, truth.inputs_finite) == ("model.rotary_emb", True)
+        assert "inputs were finite but its buffer(s) inv_freq were non-finite when the step began" in event.message
     else:
         assert (truth.name, truth.inputs_finite) == ("model.layers.1.self_attn.o_proj", False)
         assert "forward code of model.layers.1.self_attn" in event.message

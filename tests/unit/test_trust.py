@@ -325,6 +325,83 @@ def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
     assert guard.step == 2
 
 
+def _stop_at_step_2(model, fault, width=8):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    fault()
+            model(torch.randn(4, width)).sum().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err.event
+            optimizer.zero_grad()
+    raise AssertionError("no stop")
+
+
+@pytest.mark.parametrize("fault, words", [
+    (lambda norm: norm.running_mean.fill_(math.nan), "buffer(s) running_mean were non-finite when the step began"),
+    (lambda norm: norm.running_mean.fill_(-math.inf), "buffer(s) running_mean were non-finite when the step began"),
+    (lambda norm: norm.running_var[2:5].fill_(-1.0), "buffer(s) running_var held a variance below zero"),
+], ids=["nan-mean", "inf-mean", "negative-var"])
+@pytest.mark.parametrize("kind", ["BatchNorm1d", "NormAct"])
+def test_a_norm_in_eval_with_bad_running_statistics_is_named_with_them(fault, words, kind):
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8) if kind == "BatchNorm1d" else NormAct(8)
+    model = nn.Sequential(nn.Linear(4, 8), norm, nn.Linear(8, 2))
+    event = _stop_at_step_2(model, lambda: (norm.eval(), fault(norm)), width=4)  # frozen, then corrupt
+    if kind == "BatchNorm1d":  # its kernel made the value: its statistics are named as what made it
+        assert (event.layer, event.input_nonfinite) == ("1", False) and f"inputs were finite but its {words}" \
+            in event.message, event.message
+    else:  # its own code called the kernel, and a child passed the value on (infinities alone, as a
+        # mask: on to the next module's output, whose report names the code that made them)
+        assert event.layer in ("1.drop", "2") and f"forward code of 1, whose {words}" in event.message, event.message
+
+
+def test_a_running_statistic_already_non_finite_when_the_step_began_is_not_said_to_be_written_by_it():
+    torch.manual_seed(0)
+    model = bn_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        for step in range(3):
+            if step == 2:
+                model[1].running_mean[3] = math.nan  # a checkpoint loaded with it, say
+            model(torch.randn(16, 4)).sum().backward()
+            with contextlib.suppress(nanguard.NonFiniteError):
+                optimizer.step()
+            optimizer.zero_grad()
+    event = guard.events[0]
+    assert (event.kind, event.layer, event.step) == ("buffer", "1.running_mean", 2)
+    assert "non-finite already when the step began" in event.message and "written by this step" not in event.message
+
+
+class Smoothed(nn.Module):
+    """Keeps, in a buffer its forward writes, an average of its weight; and a -inf mask in another."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.register_buffer("average", torch.zeros(width))
+        self.register_buffer("mask", torch.where(torch.arange(width) > 3, -math.inf, 0.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * self.weight)
+        return x * self.weight + self.mask.exp()
+
+
+def test_buffers_this_step_made_bad_and_masks_are_not_named_as_what_made_a_value():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Smoothed(), nn.Linear(8, 2))
+    event = _stop_at_step_2(model, lambda: model[1].weight.fill_(math.nan))
+    # (the step wrote its NaN weight into the average, which the stop then put back)
+    assert event.layer == "1" and "inputs were finite but its parameter(s) weight are non-finite" == \
+        event.message.split("; ")[0], event.message
+    assert "average" not in event.message and "mask" not in event.message
+
+
 class Counting(nn.Module):
     """Writes buffers of every kind in its forward: a float one holding -0.0, a denormal and a huge
     value (each must come back bit for bit), an int counter and a bool flag."""
@@ -448,22 +525,6 @@ def test_a_storm_of_the_same_report_logs_once_a_minute(caplog):
 # Identity, a dropout of p=0 that returns its input, an activation, in place or not) is checked
 # where it is passed on, and blamed on the code before: never on the next module, as "inputs
 # were finite" (found on timm's DeiT, EfficientNet and transformers' ViT).
-
-def _stop_at_step_2(model, fault, width=8):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    with nanguard.init(model, optimizer):
-        for step in range(3):
-            if step == 2:
-                with torch.no_grad():
-                    fault()
-            model(torch.randn(4, width)).sum().backward()
-            try:
-                optimizer.step()
-            except nanguard.NonFiniteError as err:
-                return err.event
-            optimizer.zero_grad()
-    raise AssertionError("no stop")
-
 
 class Offset(nn.Module):
     """A learned offset added in its own forward code (a ViT's position embedding), then handed
