@@ -12,6 +12,7 @@ starts being written later is kept from the step after.
 from __future__ import annotations
 
 import weakref
+from operator import is_
 
 import torch
 from torch import nn
@@ -23,6 +24,80 @@ NORMS = (nn.modules.batchnorm._NormBase,)
 """BatchNorm, SyncBatchNorm, InstanceNorm: running statistics written inside their kernels"""
 
 
+class Flat:
+    """Copies of tensors side by side in flat places, written by one call per dtype and device: a
+    ``torch.cat`` of the 1-d ones (N-d contiguous ones as 1-d views), a ``torch.stack`` of the 0-d
+    ones (a BatchNorm's batch count). A copy each costs a dispatch each: the 45 buffers of a small
+    ResNet took 2.5x as long by ``torch._foreach_copy_``, and their check 5x as long by
+    ``torch._foreach_norm``. Each tensor's copy is a view of its place, the same one every call
+    while they are the same tensors, of the same shapes and dtypes; no new tensor after the first
+    (one made at the start of a step costs several times its cost alone here)."""
+
+    def __init__(self):
+        self._tensors: list[torch.Tensor] = []
+        self._layout: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
+        self._viewed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(N-d tensor, its 1-d view): a view follows no ``.data =`` of its tensor"""
+        self._groups: list[tuple[object, list[torch.Tensor], torch.Tensor]] = []
+        """(torch.cat or torch.stack, what it joins, the flat place it writes)"""
+        self.copies: list[torch.Tensor] = []
+        """each tensor's copy, as the last ``write`` left it: a view of its group's flat place"""
+
+    @property
+    def flats(self) -> list[torch.Tensor]:
+        return [flat for _, _, flat in self._groups]
+
+    def write(self, tensors: list[torch.Tensor]) -> bool:
+        """Copy ``tensors`` into their places; False when one is of a kind this cannot join (a
+        tensor subclass, an N-d tensor that is not contiguous, tensors a join refuses)."""
+        same = len(tensors) == len(self._tensors) and all(map(is_, tensors, self._tensors)) and (
+            [t.shape for t in tensors], [t.dtype for t in tensors]) == self._layout and all(
+            view.data_ptr() == t.data_ptr() for t, view in self._viewed)
+        if not same and not self._plan(tensors):
+            return False
+        try:
+            with torch.no_grad(), torch.inference_mode(False):
+                for join, sources, flat in self._groups:
+                    join(sources, out=flat)
+        except RuntimeError:
+            self.forget()
+            return False
+        return True
+
+    def forget(self) -> None:
+        """Plan anew at the next write (a copy was handed out as a tensor's own data)."""
+        self.__init__()
+
+    def _plan(self, tensors: list[torch.Tensor]) -> bool:
+        self.forget()
+        groups: dict[tuple, list[int]] = {}
+        sources: list[torch.Tensor] = []
+        for i, tensor in enumerate(tensors):
+            if type(tensor) is not torch.Tensor or (tensor.dim() > 1 and not tensor.is_contiguous()):
+                return False
+            source = tensor  # itself, not an alias: that would follow no ``.data =`` either
+            if tensor.dim() > 1:
+                source = tensor.detach().view(-1)
+                self._viewed.append((tensor, source))
+            sources.append(source)
+            groups.setdefault((tensor.dtype, tensor.device, tensor.dim() == 0), []).append(i)
+        copies: list[torch.Tensor | None] = [None] * len(tensors)
+        with torch.no_grad(), torch.inference_mode(False):
+            for (dtype, device, scalar), members in groups.items():
+                size = len(members) if scalar else sum(sources[i].numel() for i in members)
+                flat = torch.empty(size, dtype=dtype, device=device)
+                self._groups.append((torch.stack if scalar else torch.cat, [sources[i] for i in members], flat))
+                at = 0
+                for i in members:
+                    count = 1 if scalar else sources[i].numel()
+                    copies[i] = flat[at] if scalar else flat[at:at + count].view(tensors[i].shape)
+                    at += count
+        self._tensors = list(tensors)
+        self._layout = ([t.shape for t in tensors], [t.dtype for t in tensors])
+        self.copies = copies
+        return True
+
+
 class Buffers:
     """The floating buffers of the guarded models, by qualified name."""
 
@@ -31,14 +106,14 @@ class Buffers:
         """(qualified name, module, attribute) of every buffer"""
         self._written: set[str] = set()
         self._learned = False
-        self._versions: dict[str, tuple[int, int]] = {}
+        self.versions: dict[str, tuple[int, int]] = {}
         """the version (and identity) each buffer had when the step began"""
         self.kept: dict[str, torch.Tensor] = {}
         """copies of the buffers this step may write, as they were when it began, by qualified name"""
-        self._spares: list[tuple[weakref.ref, torch.Tensor]] = []
-        """(buffer, the place its copy is written to) of the buffers kept last step"""
-        self._layout: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
-        """their shapes and dtypes"""
+        self._copies = Flat()
+        """where they are copied"""
+        self._checked = Flat()
+        """where the floating ones the step wrote are joined, to be checked by one reduction"""
 
     def attach(self, module: nn.Module, qualified: str) -> None:
         tracks = isinstance(module, NORMS) and getattr(module, "track_running_stats", False)
@@ -60,71 +135,62 @@ class Buffers:
         return current
 
     def step_started(self) -> None:
-        """Keep what this step may write (no host sync: device copies, in one call)."""
+        """Keep what this step may write (no host sync: device copies, one call per dtype)."""
         if not self._owners:
             return
         current = self._current()
-        self._versions = {q: (version_of(b), id(b)) for q, _, _, b in current}
+        self.versions = {q: (version_of(b), id(b)) for q, _, _, b in current}
         keep = [(q, b) for q, _, _, b in current if not self._learned or q in self._written]
-        self.kept = dict(zip([q for q, _ in keep], self._copies([b for _, b in keep])))
-
-    def _copies(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``buffers``, written into the same places as last step's when they are the
-        same buffers (one fused copy, no new tensor: a tensor made at the start of a step costs
-        several times its cost alone here, and 45 of them took 3 % of a small ResNet's step)."""
-        spares = self._spares
-        # (copies made outside inference mode: a step in inference mode first must not leave
-        # places that a training step cannot write)
-        with torch.no_grad(), torch.inference_mode(False):
-            # the same buffers, as they were: one resized or retyped in place (.data =, resize_)
-            # would be broadcast or cast into its old place, and could not be put back as it was
-            if len(spares) == len(buffers) and all(ref() is b for (ref, _), b in zip(spares, buffers)) \
-                    and [b.shape for b in buffers] == self._layout[0] and [b.dtype for b in buffers] == self._layout[1]:
-                copies = [copy for _, copy in spares]
-                try:
-                    if copies:
-                        torch._foreach_copy_(copies, buffers)
-                    return copies
-                except RuntimeError:
-                    pass  # a kind of tensor foreach does not take
-            self._spares = [(weakref.ref(b), b.detach().clone()) for b in buffers]
-            self._layout = ([b.shape for b in buffers], [b.dtype for b in buffers])
-        return [copy for _, copy in self._spares]
+        buffers = [b for _, b in keep]
+        if self._copies.write(buffers):
+            copies = self._copies.copies
+        else:  # a kind of tensor the flat copies do not take: a copy of each
+            with torch.no_grad(), torch.inference_mode(False):
+                copies = [b.detach().clone() for b in buffers]
+        self.kept = dict(zip([q for q, _ in keep], copies))
 
     def written(self) -> list[tuple[str, torch.Tensor]]:
         """The floating buffers this step may have written; learns which buffers steps write."""
-        if not self._versions:
+        if not self.versions:
             return []
-        found = [(q, b) for q, _, _, b in self._current() if q in self._versions and (
-            q in self._written or self._versions[q] != (version_of(b), id(b)))]
+        found = [(q, b) for q, _, _, b in self._current() if q in self.versions and (
+            q in self._written or self.versions[q] != (version_of(b), id(b)))]
         self._written.update(q for q, _ in found)
-        self._learned = bool(self._versions)
+        self._learned = bool(self.versions)
         return [(q, b) for q, b in found if b.is_floating_point()]
 
-    def norms(self, written: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Norms of the written buffers from one fused pass: non-finite when a buffer is (or a norm
-        overflows on huge finite values, which ``bad`` tells apart)."""
-        return list(torch._foreach_norm([forensics.plain(b) for _, b in written])) if written else []
+    def probes(self, written: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Minimum and maximum of the written buffers, joined by dtype (no host sync): non-finite
+        exactly when one of them is."""
+        if not written:
+            return []
+        tensors = [b for _, b in written]
+        with torch.no_grad():
+            flats = self._checked.flats if self._checked.write(tensors) else [
+                forensics.plain(t).reshape(-1) for t in tensors]  # (a DTensor's shard, say)
+            return [value for flat in flats if flat.numel() for value in torch.aminmax(flat)]
 
     def restore(self) -> list[str]:
-        """Put back what the step wrote; returns the names restored."""
-        restored = []
+        """Put back what the step wrote; returns the names of buffers it wrote that could not be:
+        first written in this step, so not kept (a buffer is kept from the step after)."""
+        missed = []
         with torch.no_grad():
             for qualified, module, name, buffer in self._current():
                 kept = self.kept.get(qualified)
                 if kept is None:
+                    if self.versions.get(qualified, (version_of(buffer), id(buffer))) != (version_of(buffer), id(buffer)):
+                        missed.append(qualified)
                     continue
-                if id(buffer) == self._versions[qualified][1]:
+                if id(buffer) == self.versions[qualified][1]:
                     if buffer.shape == kept.shape and buffer.dtype == kept.dtype:
                         buffer.copy_(kept)
                     else:  # resized or retyped in place: the same tensor takes back the old data
                         buffer.data = kept
-                        self._spares = []
+                        self._copies.forget()  # that copy is the buffer's own data now
                 else:  # the forward replaced it: the old tensor goes back
                     module._buffers[name] = kept
-                    self._spares = []  # that copy is the module's own now
-                restored.append(qualified)
-        return restored
+                    self._copies.forget()  # that copy is the module's own now
+        return missed
 
     def forget(self) -> None:
         """The step is decided: nothing more to keep for it."""

@@ -78,7 +78,7 @@ class Reading:
     """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
     local_grads_bad: bool | None
     buffers: list[float] = ()
-    """norms of the buffers the step wrote"""
+    """minimum and maximum of the buffers the step wrote, by dtype (``Buffers.probes``)"""
     extras: list[float] = ()
     """values read along for the flight recorder (the GradScaler's scale)"""
     """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
@@ -184,7 +184,7 @@ class Decider:
                             detector.bucket_probes if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
                             watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
-                            buffers=detector.buffers.norms(written), extras=self.respond.extras(),
+                            buffers=detector.buffers.probes(written), extras=self.respond.extras(),
                             slots=(detector.log.value_slots, detector.log.evidence_slots))
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()

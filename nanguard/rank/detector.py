@@ -256,7 +256,7 @@ class Detector:
         log = self.log
         if not log.spans:
             self.buffers.step_started()
-            log.buffers_at_start = self.buffers.kept
+            log.buffers_at_start, log.buffer_versions = self.buffers.kept, self.buffers.versions
             if self.on_step_start is not None:
                 self.on_step_start()
         micro_batch = self._forwards.get(root_slot, 0)

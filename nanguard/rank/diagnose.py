@@ -17,7 +17,7 @@ import torch
 from ..events import Event
 from . import forensics
 from .buffers import NORMS
-from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, version_of
 
 if TYPE_CHECKING:
     from .decision import Reading
@@ -254,33 +254,40 @@ def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
 def _bad_state(log: StepLog, info: Slot, recurse: bool = True) -> str:
     """What of a module's state could make a non-finite value of finite ones ("" if nothing), as
     words to follow "its" or "whose": its non-finite parameters, and its buffers as the step began
-    (one this step wrote is not a cause) that held NaN, or a normalisation layer's running
-    statistics, used in eval, that were non-finite or held a variance below zero (its square root is
-    NaN). Infinities in other buffers are no sign: models keep -inf masks there. Its own alone
-    unless ``recurse``: all of it by default, as nn.MultiheadAttention uses out_proj's weight
-    without calling it."""
+    that held NaN, or a normalisation layer's running statistics, used in eval, that were
+    non-finite or held a variance at or below -eps (it divides by the square root of variance +
+    eps). A buffer not kept from the step's start that was written since (first written in this
+    step, or changed between its micro-batches) is not known as it began, and not named; nor are
+    statistics in training, which normalises by the batch's; nor infinities in other buffers:
+    models keep -inf masks there. Its own alone unless ``recurse``: all of it by default, as
+    nn.MultiheadAttention uses out_proj's weight without calling it."""
     module = info.module()
     if module is None:
         return ""
     params = [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)]
     stale, negative = [], []
     for name, buffer in module.named_buffers(recurse=recurse):
-        buffer = log.buffers_at_start.get(f"{info.name}.{name}".lstrip("."), buffer)
-        if not buffer.is_floating_point() or not buffer.numel():
+        qualified = f"{info.name}.{name}".lstrip(".")
+        start = log.buffers_at_start.get(qualified)
+        if start is None and log.buffer_versions.get(qualified, (version_of(buffer), id(buffer))) == (
+                version_of(buffer), id(buffer)):
+            start = buffer  # not written since the step began
+        if start is None or not start.is_floating_point() or not start.numel():
             continue
         owner = module.get_submodule(name.rpartition(".")[0])
-        statistic = isinstance(owner, NORMS) and not owner.training and name.rpartition(".")[2] in (
-            "running_mean", "running_var")
-        values = forensics.plain(buffer)
+        statistic = isinstance(owner, NORMS) and name.rpartition(".")[2] in ("running_mean", "running_var")
+        if statistic and owner.training:
+            continue
+        values = forensics.plain(start)
         if bool(torch.isnan(values).any()) or (statistic and not forensics.is_finite(values)):
             stale.append(name)
-        elif statistic and name.endswith("running_var") and bool((values < 0).any()):
+        elif statistic and name.endswith("running_var") and bool((values + owner.eps <= 0).any()):
             negative.append(name)
     return " and ".join(filter(None, (
         f"parameter(s) {', '.join(params)} are non-finite" if params else "",
         f"buffer(s) {', '.join(stale)} were non-finite when the step began" if stale else "",
-        f"buffer(s) {', '.join(negative)} held a variance below zero when the step began (its square root"
-        " is NaN)" if negative else "")))
+        f"buffer(s) {', '.join(negative)} held a variance at or below -eps when the step began (it divides"
+        " by the square root of variance + eps: NaN below, zero at it)" if negative else "")))
 
 
 def _explain_output(log: StepLog, info: Slot, message: str | None) -> dict[str, Any]:
@@ -293,12 +300,14 @@ def _explain_output(log: StepLog, info: Slot, message: str | None) -> dict[str, 
 
 
 def buffer_fields(catalog: Catalog, log: StepLog, written: list[tuple[str, torch.Tensor]],
-                  norms: list[float]) -> dict[str, Any] | None:
+                  probes: list[float]) -> dict[str, Any] | None:
     """Event fields of the first buffer the step's forward wrote non-finite (its outputs were
     finite: BatchNorm's running statistics can overflow while its normalised output does not), or
-    that was non-finite already when the step began (written outside the guarded steps)."""
-    bad = next(((name, b) for (name, b), n in zip(written, norms)
-                if not math.isfinite(n) and not forensics.is_finite(b)), None)
+    that was non-finite already when the step began (written outside the guarded steps).
+    ``probes``: what ``Buffers.probes`` read of them."""
+    if all(map(math.isfinite, probes)):
+        return None
+    bad = next(((name, b) for name, b in written if not forensics.is_finite(b)), None)
     if bad is None:
         return None
     name, buffer = bad
@@ -398,6 +407,11 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
     by_name = {s.name: s for s in catalog.slots}
     while depth and type(_module(by_name, ".".join(own[:depth]))) in (torch.nn.ModuleList, torch.nn.ModuleDict):
         depth -= 1  # a list of modules runs no code: its items are called by the code of its parent
+    for cut in range(len(own), depth - 1, -1):  # innermost first: a NaN argument of a caller
+        taken = _nan_argument(catalog, log, extremes, ".".join(own[:cut]), index)
+        if taken is not None:  # its value came in with it: where it was made, and how it came
+            return (f"{_code_between(catalog, log, extremes, taken)} (passed to"
+                    f" {'.'.join(own[:cut]) or 'the root module'} as an argument)")
     labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
@@ -413,6 +427,31 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
     if blamed:
         return " or ".join(blamed)
     return " or ".join(found) or "the root module"
+
+
+def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], name: str,
+                  index: int) -> int | None:
+    """The probe of a NaN argument of the call of module ``name`` that encloses probe ``index``
+    (a parent's buffer handed to a child as a mask, say), or None. A call's own inputs are probed
+    as it returns, after everything inside it: looked for after ``index``, until the call's
+    output or a module outside it."""
+    for j in range(index + 1, len(log.records)):
+        record = log.records[j]
+        if record.role in (BATCH, CHECK):
+            if record.role == BATCH:
+                break  # the next forward
+            continue
+        inside = catalog.slots[record.slot].name
+        if inside != name:
+            if _within(inside, name):
+                continue  # more of what ran inside the call
+            break
+        if record.role == OUT:
+            break
+        pair = extremes[j]
+        if record.passed is False and pair is not None and math.isnan(pair[0]):
+            return record.same_as if record.role == LINK else j
+    return None
 
 
 def _module(by_name: dict[str, Slot], name: str) -> torch.nn.Module | None:

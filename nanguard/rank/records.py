@@ -282,7 +282,10 @@ class StepLog:
     evidence_slots: Slots = field(default_factory=Slots)
     buffers_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
     """copies of the buffers the step may write, as they were when it began, by qualified name
-    (``Buffers.kept``): a buffer not among them is as it began"""
+    (``Buffers.kept``)"""
+    buffer_versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """(``version_of``, id) of every buffer when the step began: one not kept is as it began unless
+    these moved (a buffer first written in this step, or changed between its micro-batches)"""
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
@@ -290,7 +293,7 @@ class StepLog:
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.loss_at = None
-        self.buffers_at_start = {}
+        self.buffers_at_start, self.buffer_versions = {}, {}
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
         """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""

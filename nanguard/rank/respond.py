@@ -98,7 +98,7 @@ class Responder:
                 log.error("nanguard: %s; %s%s", event, action,
                           f" (and {held} more such step(s) in the last minute)" if held else "")
         if policy != "warn":
-            self.buffers.restore()  # the step does not happen: what its forward wrote goes back
+            self._restore_buffers()  # the step does not happen: what its forward wrote goes back
         wanted = policy == "raise" and self.settings.capture is not False or (
             policy == "skip" and self.settings.capture)
         if wanted and (together or not group.active):
@@ -118,13 +118,20 @@ class Responder:
         """A stop was requested (here, or on another rank): raise it, before the update."""
         taken = self.reporter.take_stop()
         reason, origin = taken or ("requested by the coordinator through another rank", "policy")
-        self.buffers.restore()
+        self._restore_buffers()
         error = StopRequested(f"stop requested ({reason}) at step {step}; stopping all ranks before the"
                               " optimizer step", step=step, reason=reason)
         self.reporter.stopped(step, origin)
         if self.on_stop is not None:
             self.on_stop(error)
         raise error
+
+    def _restore_buffers(self) -> None:
+        missed = self.buffers.restore()
+        if missed:
+            log.warning("nanguard: buffer(s) %s were first written in this step, which is not taken: they"
+                        " were not kept as it began (a buffer is kept from the step after the first that"
+                        " writes it), so they keep what it wrote", ", ".join(missed[:8]))
 
     def extras(self) -> list[torch.Tensor]:
         """Device values read with the step for the flight recorder: the GradScaler's scale."""

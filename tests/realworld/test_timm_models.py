@@ -12,7 +12,7 @@ import nanguard
 from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
                      until_stop)
 from oracles import ForwardOracle, GradOracle, StateBefore
-from zoo import efficientnet, image_batch, poison_backward_of, resnet, vit
+from zoo import efficientnet, image_batch, poison_backward_of, resnet, swin, vit
 
 needs("timm")
 
@@ -200,4 +200,17 @@ def test_a_frozen_batchnorm_with_a_negative_running_variance_is_named(build, nor
 
     event, truth = forward_fault(model, fault)
     assert (event.step, event.kind, event.layer) == (BAD_STEP, "forward", truth.name), (event.layer, truth)
-    assert "buffer(s) running_var held a variance below zero" in event.message, event.message
+    assert "buffer(s) running_var held a variance at or below -eps" in event.message, event.message
+
+
+def test_swin_attention_mask_buffer_handed_to_the_attention_is_named_in_the_block():
+    # a shifted block keeps its attn_mask as a buffer and passes it to its attention's forward: a
+    # NaN there was not made by the attention's code, which only received it
+    model = swin()
+    block = next(name for name, m in model.named_modules() if getattr(m, "attn_mask", None) is not None)
+    mask = model.get_submodule(block).attn_mask
+    event, truth = forward_fault(model, lambda: mask.view(-1)[5].fill_(math.nan))
+    assert (truth.name, truth.inputs_finite) == (f"{block}.attn.softmax", False)
+    assert (event.kind, event.layer, event.input_nonfinite) == ("forward", truth.name, True)
+    assert f"forward code of {block}, whose buffer(s) attn_mask were non-finite when the step began (passed" \
+        f" to {block}.attn as an argument)" in event.message, event.message

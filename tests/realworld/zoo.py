@@ -193,6 +193,15 @@ def efficientnet() -> nn.Module:
     return timm.create_model("test_efficientnet", pretrained=False, num_classes=10)
 
 
+def swin() -> nn.Module:
+    """timm's Swin with windows of 4 on 32x32 images: its shifted blocks keep an ``attn_mask``
+    buffer, which they hand to their attention as an argument."""
+    timm = import_timm()
+    torch.manual_seed(0)
+    return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, window_size=4,
+                             embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10)
+
+
 def image_batch(step: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(2000 + step)
     return torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)

@@ -187,9 +187,11 @@ def test_a_model_under_torch_func_transforms_runs_and_is_checked_outside_them():
 
 
 def test_steady_steps_copy_the_buffers_into_the_same_places_and_still_put_them_back():
-    # BatchNorm's statistics are kept at every step start: written into last step's copies (one
-    # fused copy), not cloned; a first forward in inference mode leaves copies a training step can
-    # write, and a skipped step still gets its buffers back
+    # BatchNorm's statistics are kept at every step start: written into last step's places (one
+    # cat of the float statistics, one stack of the batch counts), not cloned nor copied one by one;
+    # they are checked after the forward by one cat and one reduction, not a norm each; a first
+    # forward in inference mode leaves copies a training step can write, and a skipped step still
+    # gets its buffers back
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -206,8 +208,11 @@ def test_steady_steps_copy_the_buffers_into_the_same_places_and_still_put_them_b
         before = {name: b.clone() for name, b in model.named_buffers()}
         model[2].bias.data.fill_(float("nan"))
         step(model, optimizer)
-    assert ops.names.count("aten._foreach_copy_.default") == 1
-    assert not any(n.startswith(("aten.clone", "aten._foreach_mul")) for n in ops.names)
+    names = ops.names
+    assert "aten._foreach_copy_.default" not in names and "aten.copy_.default" not in names
+    assert names.count("aten._foreach_norm.Scalar") == 1  # the gradients'
+    assert names.count("aten.stack.out") == 1 and names.count("aten.aminmax.default") == 1
+    assert not any(n.startswith(("aten.clone", "aten._foreach_mul")) for n in names)
     assert guard.skipped_steps == 1
     assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
 
@@ -291,3 +296,39 @@ def test_a_buffer_resized_or_retyped_in_place_is_put_back_as_it_was(change, when
             step(model, optimizer)
         assert model.stat.shape == kept.shape and torch.isfinite(model.stat).all()
         assert guard.skipped_steps == 1
+
+
+class Queue(nn.Module):
+    """Keeps a queue of past outputs (MoCo's negatives), written in place by its forward."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("queue", torch.zeros(shape))
+        self.register_buffer("at", torch.tensor(0))
+
+    def forward(self, x):
+        out = self.lin(x)
+        with torch.no_grad():
+            self.queue.view(-1, 4)[int(self.at) % 6] = out[0]
+            self.at += 1
+        return out
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (24,)], ids=["2-d", "1-d"])
+def test_a_buffer_given_new_storage_between_steps_is_kept_as_it_is_then(shape):
+    # the same tensor, of the same shape, with new data (a resumed run's queue loaded by `.data =`):
+    # the step's copy must be of that data, not of the storage the buffer had before
+    torch.manual_seed(0)
+    model = Queue(shape)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="skip", capture=False) as guard:
+        for _ in range(3):
+            step(model, optimizer)
+        model.queue.data = torch.randn(shape)
+        kept, count = model.queue.clone(), model.at.clone()
+        bad_step(model, optimizer)
+        assert guard.skipped_steps == 1
+        assert torch.equal(model.queue, kept) and torch.equal(model.at, count)
+        step(model, optimizer)
+        assert not torch.equal(model.queue, kept) and guard.skipped_steps == 1

@@ -344,7 +344,7 @@ def _stop_at_step_2(model, fault, width=8):
 @pytest.mark.parametrize("fault, words", [
     (lambda norm: norm.running_mean.fill_(math.nan), "buffer(s) running_mean were non-finite when the step began"),
     (lambda norm: norm.running_mean.fill_(-math.inf), "buffer(s) running_mean were non-finite when the step began"),
-    (lambda norm: norm.running_var[2:5].fill_(-1.0), "buffer(s) running_var held a variance below zero"),
+    (lambda norm: norm.running_var[2:5].fill_(-1.0), "buffer(s) running_var held a variance at or below -eps"),
 ], ids=["nan-mean", "inf-mean", "negative-var"])
 @pytest.mark.parametrize("kind", ["BatchNorm1d", "NormAct"])
 def test_a_norm_in_eval_with_bad_running_statistics_is_named_with_them(fault, words, kind):
@@ -400,6 +400,113 @@ def test_buffers_this_step_made_bad_and_masks_are_not_named_as_what_made_a_value
     assert event.layer == "1" and "inputs were finite but its parameter(s) weight are non-finite" == \
         event.message.split("; ")[0], event.message
     assert "average" not in event.message and "mask" not in event.message
+
+
+class WarmedUp(nn.Module):
+    """Scales by a statistic kept in a buffer that it starts writing only after a warm-up of two
+    calls: 0/0, NaN, for a feature made constant."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("scale", torch.ones(width))
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.calls += 1
+        if self.calls > 2:
+            with torch.no_grad():
+                self.scale.copy_((h - h.mean(0)).abs().amax(0) / h.std(0))
+        return h * self.scale
+
+
+def test_a_buffer_first_written_in_the_bad_step_is_not_named_as_it_began_and_its_loss_is_told(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(WarmedUp(), nn.Linear(8, 2))
+    event = _stop_at_step_2(model, lambda: model[0].lin.weight[4].zero_())  # finite, and constant
+    assert (event.layer, event.input_nonfinite) == ("0", False) and "buffer" not in event.message, event.message
+    assert any("0.scale were first written in this step" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("fault", ["nan weight", "overflowing weight"])
+def test_running_statistics_a_norm_in_training_does_not_use_are_not_named(fault):
+    # in training a BatchNorm normalises by the batch's statistics: a NaN running_mean (a checkpoint
+    # loaded with it) did not make its output
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+    def corrupt():
+        model[1].running_mean[0] = math.nan
+        model[1].weight[5] = math.nan if fault == "nan weight" else 3e38
+
+    event = _stop_at_step_2(model, corrupt, width=4)
+    assert (event.layer, event.input_nonfinite) == ("1", False) and "running_mean" not in event.message, event.message
+
+
+def test_a_variance_below_zero_but_above_minus_eps_is_not_named():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8)
+    model = nn.Sequential(nn.Linear(4, 8), norm, nn.Linear(8, 2))
+
+    def corrupt():
+        norm.eval()
+        norm.running_var[0] = -norm.eps / 10  # the root of variance + eps is finite
+        norm.weight[5] = math.nan
+
+    event = _stop_at_step_2(model, corrupt, width=4)
+    assert "parameter(s) weight" in event.message and "running_var" not in event.message, event.message
+
+
+class ToldMask(nn.Module):
+    """An attention that adds the mask it is given as an argument."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.qk, self.softmax = nn.Linear(width, 2 * width), nn.Softmax(-1)
+
+    def forward(self, x, mask):
+        q, k = self.qk(x).chunk(2, -1)
+        return self.softmax(q @ k.transpose(-1, -2) + mask) @ x
+
+
+class GivesMask(nn.Module):
+    """Hands its own mask (a buffer, as Swin's attn_mask, or a parameter, a learned bias) to its
+    attention as an argument."""
+
+    def __init__(self, kind: str, width: int = 8, tokens: int = 5):
+        super().__init__()
+        self.attn = ToldMask(width)
+        if kind == "parameter":
+            self.bias = nn.Parameter(torch.zeros(tokens, tokens))
+        else:
+            self.register_buffer("bias", torch.zeros(tokens, tokens))
+
+    def forward(self, x):
+        return x + self.attn(x, mask=self.bias)
+
+
+@pytest.mark.parametrize("kind", ["buffer", "parameter"])
+def test_a_parents_state_handed_to_a_child_as_an_argument_is_named_where_it_was_made(kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GivesMask(kind), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model[1].bias[3, 1] = math.nan
+            model(torch.randn(4, 5, 8)).sum().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+                break
+            optimizer.zero_grad()
+    words = "buffer(s) bias were non-finite" if kind == "buffer" else "parameter(s) bias are non-finite"
+    assert (event.layer, event.input_nonfinite) == ("1.attn.softmax", True)
+    assert f"forward code of 1, whose {words}" in event.message and "(passed to 1.attn as an argument)" \
+        in event.message, event.message
 
 
 class Counting(nn.Module):
