@@ -409,9 +409,10 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         depth -= 1  # a list of modules runs no code: its items are called by the code of its parent
     for cut in range(len(own), depth - 1, -1):  # innermost first: a NaN argument of a caller
         taken = _nan_argument(catalog, log, extremes, ".".join(own[:cut]), index)
-        if taken is not None:  # its value came in with it: where it was made, and how it came
-            return (f"{_code_between(catalog, log, extremes, taken)} (passed to"
-                    f" {'.'.join(own[:cut]) or 'the root module'} as an argument)")
+        if taken is not None:  # most likely its value came in with it; or the caller's code made it
+            caller = ".".join(own[:cut]) or "the root module"
+            return (f"{_code_between(catalog, log, extremes, taken)} (passed to {caller} as an argument"
+                    f" already with NaN), or of {caller} itself")
     labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
