@@ -9,6 +9,7 @@ ranks look closer (``diagnose``) and agree on the job's first event.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -26,6 +27,8 @@ from .backward import gradient_norms
 from .detector import Detector
 from .diagnose import Finding
 from .records import Slots, concat, stack
+
+log = logging.getLogger("nanguard")
 
 if TYPE_CHECKING:
     from ..replay import StepObserver
@@ -126,16 +129,18 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
     """The job's first finding, the same on every rank: a forward producer beats the gradients
-    it poisoned, a value born on a rank beats what the all-reduce spread, then the lowest rank."""
+    it poisoned, a value born on a rank beats what the all-reduce spread, then the earliest in the
+    step (a value that a collective inside the model spread is seen later than where it was born),
+    then the lowest rank."""
     if collectives is None:
         return local
-    mine = None if local is None else (local.event.to_dict(), local.born_here)
-    candidates = [Finding(Event.from_dict(event), born_here)
-                  for event, born_here in filter(None, collectives.all_gather_object(mine))]
+    mine = None if local is None else (local.event.to_dict(), local.born_here, local.position)
+    candidates = [Finding(Event.from_dict(event), born_here, position)
+                  for event, born_here, position in filter(None, collectives.all_gather_object(mine))]
     if not candidates:
         return None
     return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
-                                          f.event.rank))
+                                          f.position or (math.inf, math.inf), f.event.rank))
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -165,7 +170,7 @@ class Decider:
             reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
                                 evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
             if reading.bad:
-                self._early = diagnose.first_bad(self.detector.catalog, log, reading, self._event)
+                self._early = self._diagnose(reading)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)
@@ -198,8 +203,8 @@ class Decider:
         loss = reading.probes[loss_at] if loss_at is not None else None
         if reading.bad:
             grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
-            local = self._take_early() if self._early is not None else diagnose.first_bad(
-                detector.catalog, detector.log, reading, self._event, owners, grads, written)
+            local = self._take_early() if self._early is not None else self._diagnose(
+                reading, owners, grads, written)
             first = agree(collectives, local)
             if first is not None:
                 if local is not None and first.event.rank != local.event.rank:
@@ -221,6 +226,20 @@ class Decider:
         self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
                                 owners=owners, optimizer=optimizer, clean=True)
         self._clean(reading.stop)
+
+    def _diagnose(self, reading: Reading, *gradients_and_buffers) -> Finding | None:
+        """``diagnose.first_bad``; should it fail, a finding that says so: the step is still bad,
+        and every rank must still take the decision (an error here would leave the others waiting)."""
+        try:
+            return diagnose.first_bad(self.detector.catalog, self.detector.log, reading, self._event,
+                                      *gradients_and_buffers)
+        except Exception as exc:  # noqa: BLE001 - a bad step must be acted on whatever the diagnosis does
+            log.exception("nanguard: the diagnosis of a bad step failed")
+            kind = "forward" if not all(map(math.isfinite, reading.probes)) else (
+                "buffer" if not all(map(math.isfinite, reading.buffers)) else "grad")
+            return Finding(self._event({"kind": kind, "layer": "unknown", "message": (
+                f"a non-finite value was found, but where it was born could not be worked out: the diagnosis"
+                f" failed ({type(exc).__name__}: {exc}), a fault of nanguard's (please report it)")}))
 
     def _gradients(self, optimizer: torch.optim.Optimizer | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameters, norms of their gradients as the backward pass left them, or as they are now

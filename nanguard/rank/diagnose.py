@@ -42,6 +42,10 @@ class Finding:
     event: Event
     born_here: bool = True
     """False when the value came from another rank through DDP's all-reduce: that rank's event"""
+    position: tuple[int, int] | None = None
+    """(micro-batch, index among the step's probes) of a forward finding's first bad output: where
+    in the step it was seen, comparable between ranks that run the same model, so that a value a
+    collective inside the model (a synchronised norm) spread is placed after where it was born"""
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
@@ -52,9 +56,12 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     ``owners``/``grads``: the parameters that have a gradient and those gradients; ``written``:
     the buffers the step wrote, by name. None when nothing is bad (a norm that overflowed on finite
     values)."""
-    fields = forward_fields(catalog, log, log.extremes(reading.probes, reading.evidence))
-    if fields is None:
-        fields = buffer_fields(catalog, log, written, reading.buffers)
+    extremes = log.extremes(reading.probes, reading.evidence)
+    first = _first_bad_output(log, extremes)
+    if first is not None:
+        return Finding(make(forward_fields(catalog, log, extremes, first)),
+                       position=(log.micro_batch_of(first) or 0, first))
+    fields = buffer_fields(catalog, log, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
     fields = gradient_fields(catalog, log, owners, grads, reading.norms)
@@ -69,20 +76,22 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     return Finding(make(fields), born_here=local_grads_bad)
 
 
-def forward_fields(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None]
-                   ) -> dict[str, Any] | None:
-    """Event fields of the first module output or checked tensor that is non-finite. The probes
-    are exact (a tensor's minimum and maximum), so what they say needs no confirmation; the tensor,
-    where it was kept, only adds the detail."""
-    for index, (record, pair) in enumerate(zip(log.records, extremes)):
-        if record.role not in (OUT, CHECK) or _finite(pair):
-            continue
-        index = _passed_to(catalog, log, extremes, index)
-        record, pair = log.records[index], extremes[index]
-        tensor = record.tensor()
-        stats = forensics.describe(tensor) if tensor is not None else _from_extremes(record, pair)
-        return _explain(catalog, log, extremes, index, stats)
-    return None
+def _first_bad_output(log: StepLog, extremes: list[tuple[float, float] | None]) -> int | None:
+    """The record of the step's first non-finite module output or checked tensor, or None."""
+    return next((index for index, (record, pair) in enumerate(zip(log.records, extremes))
+                 if record.role in (OUT, CHECK) and not _finite(pair)), None)
+
+
+def forward_fields(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None],
+                   first: int) -> dict[str, Any]:
+    """Event fields of ``first``, the first module output or checked tensor that is non-finite.
+    The probes are exact (a tensor's minimum and maximum), so what they say needs no confirmation;
+    the tensor, where it was kept, only adds the detail."""
+    index = _passed_to(catalog, log, extremes, first)
+    record, pair = log.records[index], extremes[index]
+    tensor = record.tensor()
+    stats = forensics.describe(tensor) if tensor is not None else _from_extremes(record, pair)
+    return _explain(catalog, log, extremes, index, stats)
 
 
 def _own_inputs(log: StepLog, index: int) -> list[int]:
@@ -174,8 +183,9 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         described = forensics.describe(tensor) if tensor is not None else {}
         if described.get("bad_count"):
             fields = {key: value for key, value in fields.items() if key != "message"} | described
-        return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
-                         "message": _join(where, fields.get("message"))}
+        bad = _bad_state(log, info)  # an input it did not use for this value may be the one with NaN
+        return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(
+            where, f"or it was made here, where its {bad}" if bad else None, fields.get("message"))}
     # infinities alone came in (an additive -inf mask does that on purpose): the output may have
     # been made bad here, from them or not, or may carry them on; a bad parameter of its own is named
     made = ("the NaN was made here, from them or otherwise" if fields.get("has_nan")
@@ -410,9 +420,11 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
     for cut in range(len(own), depth - 1, -1):  # innermost first: a NaN argument of a caller
         taken = _nan_argument(catalog, log, extremes, ".".join(own[:cut]), index)
         if taken is not None:  # most likely its value came in with it; or the caller's code made it
-            caller = ".".join(own[:cut]) or "the root module"
+            caller = ".".join(own[:cut])
+            bad = _bad_state(log, by_name[caller], recurse=False) if caller in by_name else ""
+            caller = caller or "the root module"
             return (f"{_code_between(catalog, log, extremes, taken)} (passed to {caller} as an argument"
-                    f" already with NaN), or of {caller} itself")
+                    f" already with NaN), or of {caller} itself" + (f", whose {bad}" if bad else ""))
     labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
@@ -432,10 +444,11 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
 
 def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], name: str,
                   index: int) -> int | None:
-    """The probe of a NaN argument of the call of module ``name`` that encloses probe ``index``
-    (a parent's buffer handed to a child as a mask, say), or None. A call's own inputs are probed
-    as it returns, after everything inside it: looked for after ``index``, until the call's
-    output or a module outside it."""
+    """The record of a NaN argument (its probe, or a link to it) of the call of module ``name`` that
+    encloses probe ``index`` (a parent's buffer handed to a child as a mask, say), or None. A
+    call's own inputs are probed as it returns, after everything inside it: looked for after
+    ``index`` (so following arguments outward always ends), until the call's output or a module
+    outside it."""
     for j in range(index + 1, len(log.records)):
         record = log.records[j]
         if record.role in (BATCH, CHECK):
@@ -451,7 +464,7 @@ def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
             break
         pair = extremes[j]
         if record.passed is False and pair is not None and math.isnan(pair[0]):
-            return record.same_as if record.role == LINK else j
+            return j  # (a link too: the value was made before this call, which began before its first taker)
     return None
 
 

@@ -137,6 +137,19 @@ def test_read_step_and_agree_without_a_model():
     assert f0.event.layer == f1.event.layer == "l1"
 
 
+@pytest.mark.parametrize("positions, first", [({0: (0, 7), 1: (0, 3)}, 1), ({0: (0, 9), 1: (1, 0)}, 0),
+                                               ({0: (0, 3), 1: (0, 3)}, 0)],
+                         ids=["earlier output", "earlier micro-batch", "same place: lowest rank"])
+def test_the_forward_finding_seen_earliest_in_the_step_is_the_jobs_first(positions, first):
+    # a norm that all-reduces batch statistics spreads a NaN born on rank 1 to rank 0, where it is
+    # seen later in the step (at the norm, not at the module that made it): rank 1's is the first
+    def rank(c):
+        event = nanguard.Event(kind="forward", rank=c.rank, step=2, layer=f"l{c.rank}")
+        return agree(c, Finding(event, position=positions[c.rank]))
+
+    assert [f.event.rank for f in ThreadGroup(2).run(rank)] == [first, first]
+
+
 @pytest.mark.parametrize("policy", ["warn", "skip"])
 def test_a_stop_requested_during_a_nan_storm_stops_every_rank(tmp_path, policy):
     # every step is bad on rank 1 and the policy lets training go on: a stop must still stop it

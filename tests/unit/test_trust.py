@@ -325,14 +325,16 @@ def test_a_buffer_written_non_finite_behind_finite_outputs_is_an_event():
     assert guard.step == 2
 
 
-def _stop_at_step_2(model, fault, width=8):
+def _stop_at_step_2(model, fault, width=8, tokens=None):
+    """The event of a step-2 stop of ``model`` trained on (4, width) batches, (4, tokens, width) ones
+    given ``tokens``, ``fault`` applied before step 2."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with nanguard.init(model, optimizer):
         for step in range(3):
             if step == 2:
                 with torch.no_grad():
                     fault()
-            model(torch.randn(4, width)).sum().backward()
+            model(torch.randn(4, width) if tokens is None else torch.randn(4, tokens, width)).sum().backward()
             try:
                 optimizer.step()
             except nanguard.NonFiniteError as err:
@@ -507,6 +509,113 @@ def test_a_parents_state_handed_to_a_child_as_an_argument_is_named_where_it_was_
     assert (event.layer, event.input_nonfinite) == ("1.attn.softmax", True)
     assert f"forward code of 1, whose {words}" in event.message and "(passed to 1.attn as an argument already" \
         " with NaN), or of 1.attn itself" in event.message, event.message
+
+
+class Tempered(nn.Module):
+    """An attention whose own temperature scales its scores, and which ignores the mask it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp, self.softmax = nn.Parameter(torch.ones(())), nn.Softmax(-1)
+
+    def forward(self, x, mask):
+        return self.softmax(x @ x.transpose(-1, -2) * self.temp) @ x
+
+
+def test_the_hedge_of_a_nan_argument_names_the_state_of_the_call_that_took_it():
+    torch.manual_seed(0)
+    model = GivesMask("buffer")
+    model.attn = Tempered()
+
+    def corrupt():
+        model.bias[3, 1] = math.nan  # handed over, unused
+        model.attn.temp.fill_(math.nan)  # what makes the value
+
+    event = _stop_at_step_2(model, corrupt, tokens=5)
+    assert event.layer == "attn.softmax" and "(passed to attn as an argument already with NaN), or of attn itself," \
+        " whose parameter(s) temp are non-finite" in event.message, event.message
+
+
+class Sloped(nn.Module):
+    """ALiBi as MPT builds it: the root makes a bias from its slopes and hands it to a block, which
+    hands it on to its attention (two levels of arguments)."""
+
+    def __init__(self, width: int = 8, tokens: int = 5):
+        super().__init__()
+        self.register_buffer("slopes", torch.ones(1))
+        self.distance = torch.arange(tokens)[None] - torch.arange(tokens)[:, None]
+        self.block = GivesOn(width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x, self.slopes * self.distance))
+
+
+class GivesOn(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.attn = ToldMask(width)
+
+    def forward(self, x, bias):
+        return x + self.attn(x, mask=bias)
+
+
+def test_a_nan_argument_handed_down_two_levels_is_followed_to_the_code_that_made_it():
+    torch.manual_seed(0)
+    model = Sloped()
+    event = _stop_at_step_2(model, lambda: model.slopes.fill_(math.nan), tokens=5)
+    assert event.layer == "block.attn.softmax" and "forward code of the root module, whose buffer(s) slopes were" \
+        " non-finite when the step began (passed to block as an argument already with NaN)" in event.message, \
+        event.message
+
+
+class Unused(nn.Module):
+    """Takes a mask it does not use; its own gain makes the value."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(width))
+
+    def forward(self, x, mask):
+        return x * self.g
+
+
+class HandsUnused(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.scale = Unused(width)
+
+    def forward(self, x):
+        return self.scale(x, mask=self.bias * 1.0)
+
+
+def test_a_nan_input_the_module_did_not_use_does_not_hide_its_own_bad_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), HandsUnused(), nn.Linear(8, 2))
+
+    def corrupt():
+        model[1].bias[0] = math.nan  # handed over, unused
+        model[1].scale.g[3] = math.nan  # what makes the value
+
+    event = _stop_at_step_2(model, corrupt)
+    assert event.layer == "1.scale" and "or it was made here, where its parameter(s) g are non-finite" \
+        in event.message, event.message
+
+
+def test_a_bad_step_whose_diagnosis_fails_is_still_stopped_and_says_so(monkeypatch):
+    # fault injection: the diagnosis raising must not take the training loop (or the other ranks,
+    # waiting in the decision's collectives) down with it
+    from nanguard.rank import diagnose
+
+    def broken(*args, **kwargs):
+        raise RecursionError("injected")
+
+    monkeypatch.setattr(diagnose, "first_bad", broken)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    event = _stop_at_step_2(model, lambda: model[0].weight.fill_(math.nan))
+    assert (event.kind, event.layer, event.step) == ("forward", "unknown", 2)
+    assert "the diagnosis failed (RecursionError: injected)" in event.message
 
 
 class Counting(nn.Module):
