@@ -278,9 +278,8 @@ def _bad_state(log: StepLog, info: Slot, recurse: bool = True) -> str:
     stale, negative = [], []
     for name, buffer in module.named_buffers(recurse=recurse):
         qualified = f"{info.name}.{name}".lstrip(".")
-        start = log.buffers_at_start.get(qualified)
-        if start is None and log.buffer_versions.get(qualified, (version_of(buffer), id(buffer))) == (
-                version_of(buffer), id(buffer)):
+        start, now = log.buffers_at_start.get(qualified), (version_of(buffer), id(buffer))
+        if start is None and log.buffer_versions.get(qualified, now) == now:
             start = buffer  # not written since the step began
         if start is None or not start.is_floating_point() or not start.numel():
             continue
