@@ -209,6 +209,11 @@ class Decider:
             if first is not None:
                 if local is not None and first.event.rank != local.event.rank:
                     # what this rank saw, beside the job's first event
+                    if first.position is not None and local.position is not None and first.position < local.position:
+                        local.event.message = "; ".join(filter(None, (local.event.message, (
+                            f"rank {first.event.rank} saw a non-finite value earlier in this step, in"
+                            f" {first.event.layer or 'its model'}: it may have come here through a collective"
+                            " inside the model (a synchronised norm)"))))
                     self.respond.note(local, self.settings.on_nan)
                 # in the flight recorder before a capture writes it
                 self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,

@@ -217,7 +217,7 @@ class Detector:
         records = log.records
         self._seen[id(tensor)] = (ref, version, len(records))
         records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos,
-                             passed))
+                             passed, -1, log.calls))
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``tensors`` not probed or marked yet (or modified in place since)."""
@@ -361,8 +361,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
     (``Probe.passed``) unless checked as an output already; a call taking evidence links to it (LINK)."""
     is_compiling = torch.compiler.is_compiling
     add, seen = detector._add, detector._seen
-    log = detector.log
-    records = log.records
+    log, records = detector.log, detector.log.records
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
     passing = True if mode == PASS_MODE or untouched else None
@@ -377,6 +376,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
                         log.values.extend(probe(tensor))
                         log.records.append(compiled)
             return None
+        log.calls += 1
         if type(output) is tensor_type and len(args) == 1 and not kwargs and type(args[0]) is tensor_type and \
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined

@@ -43,9 +43,10 @@ class Finding:
     born_here: bool = True
     """False when the value came from another rank through DDP's all-reduce: that rank's event"""
     position: tuple[int, int] | None = None
-    """(micro-batch, index among the step's probes) of a forward finding's first bad output: where
-    in the step it was seen, comparable between ranks that run the same model, so that a value a
-    collective inside the model (a synchronised norm) spread is placed after where it was born"""
+    """(micro-batch, ``Probe.call``) of a forward finding's first bad output: where in the step's
+    program it was seen, comparable between ranks that run the same model, so that a value a
+    collective inside the model (a synchronised norm) spread is placed after where it was born
+    (None inside a compiled graph, which counts no calls)"""
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
@@ -59,8 +60,9 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     extremes = log.extremes(reading.probes, reading.evidence)
     first = _first_bad_output(log, extremes)
     if first is not None:
+        record = log.records[first]
         return Finding(make(forward_fields(catalog, log, extremes, first)),
-                       position=(log.micro_batch_of(first) or 0, first))
+                       position=None if record.compiled else (log.micro_batch_of(first) or 0, record.call))
     fields = buffer_fields(catalog, log, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))

@@ -80,6 +80,10 @@ class Probe:
     same_as: int = -1
     """a LINK's record: the evidence probe of the value this call took; a value passed on changed
     in place: the probe of that tensor before"""
+    call: int = 0
+    """how many module calls of the step had returned when it was made (``StepLog.calls``): its place
+    in the step's program, the same on every rank of a model whatever the values (a module that
+    returns its input makes no probe, one that makes a NaN does)"""
 
     def held(self) -> torch.Tensor | None:
         """The probed tensor if it is still there, changed since or not."""
@@ -280,6 +284,8 @@ class StepLog:
     value_slots: Slots = field(default_factory=Slots)
     """where the probes of ``values`` write, when they can (see Slots)"""
     evidence_slots: Slots = field(default_factory=Slots)
+    calls: int = 0
+    """module calls of the step that have returned (their forward hooks)"""
     buffers_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
     """copies of the buffers the step may write, as they were when it began, by qualified name
     (``Buffers.kept``)"""
@@ -293,6 +299,7 @@ class StepLog:
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.loss_at = None
+        self.calls = 0
         self.buffers_at_start, self.buffer_versions = {}, {}
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:

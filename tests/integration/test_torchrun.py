@@ -76,6 +76,16 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
 
 
 @pytest.mark.timeout(180)
+def test_ddp_a_nan_that_a_collective_in_the_forward_spreads_is_named_on_the_rank_it_was_born(torchrun):
+    # a cross-rank mean before the head hands rank 1's NaN to rank 0, where the first bad output is
+    # the mean's: the job's event is rank 1's fault, seen earlier in the step, not the lowest rank's
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1", "--fault-step", "5",
+                              "--steps", "8", "--synced")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert (event["rank"], event["layer"], event["input_nonfinite"]) == (1, FAULT_LAYER, False)
+
+
+@pytest.mark.timeout(180)
 def test_ddp_nan_in_the_input_batch_is_reported_as_an_input(torchrun):
     _, event = ddp_fault_on_rank_1(torchrun, "input")
     assert event["kind"] == "forward"

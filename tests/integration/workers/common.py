@@ -67,12 +67,22 @@ class Block(nn.Module):
         return self.fault(self.act(self.fc(x)))
 
 
+class SyncMean(nn.Module):
+    """Centres its input by its mean over every rank, as a synchronised norm does: a collective in
+    the forward, which spreads a NaN of one rank to the others."""
+
+    def forward(self, x):
+        mean = x.detach().mean(0)
+        dist.all_reduce(mean)
+        return x - mean / dist.get_world_size()
+
+
 class Net(nn.Module):
-    def __init__(self, width: int = WIDTH):
+    def __init__(self, width: int = WIDTH, synced: bool = False):
         super().__init__()
         self.embed = nn.Linear(8, width)
         self.blocks = nn.Sequential(Block(width), Block(width))
-        self.head = nn.Linear(width, 4)
+        self.head = nn.Sequential(SyncMean(), nn.Linear(width, 4)) if synced else nn.Linear(width, 4)
 
     def forward(self, x):
         return self.head(self.blocks(self.embed(x)))
@@ -150,6 +160,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-until", type=int, default=None,
                    help="the fault hits every step from --fault-step up to this one, excluded (a storm)")
     p.add_argument("--fault-micro", type=int, default=0)
+    p.add_argument("--synced", action="store_true", help="a cross-rank mean (SyncMean) before the head")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
@@ -175,7 +186,7 @@ def run(args: argparse.Namespace, wrap) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    net = Net()
+    net = Net(synced=args.synced)
     model, no_sync = wrap(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
