@@ -212,9 +212,13 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
         pair = extremes[j]
         if not _finite(pair):
             seen = log.records[j].same_as if log.records[j].role == LINK else j  # where it was probed
-            return (math.isnan(pair[0]), log.records[seen].tensor(),
-                    "its input was already non-finite: the value was born outside any module, before"
-                    f" this module ran, in the forward code of {_code_between(catalog, log, extremes, seen)}")
+            code = _code_between(catalog, log, extremes, seen)
+            batch = _bad_batch(catalog, log, index)  # forward code computes from the batch too (a mask)
+            where = (f"{batch[2]}, with NaN, which the forward code of {code} may have carried here before this"
+                     " module ran (or that code made the value)" if batch and batch[0] else
+                     "the value was born outside any module, before this module ran, in the forward code of"
+                     f" {code}")
+            return math.isnan(pair[0]), log.records[seen].tensor(), f"its input was already non-finite: {where}"
     return _bad_batch(catalog, log, index)
 
 

@@ -159,8 +159,9 @@ class Guard:
         return resume.state_dict(self._clock, self._respond)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from a checkpoint's ``state_dict()`` (or a trainer's {"step": global_step})."""
-        resume.load_state_dict(state, self._clock, self._respond)
+        """Go on from a checkpoint's ``state_dict()`` (or a trainer's {"step": global_step}). A replay
+        keeps its incident's step: the resumed script that made it loads its checkpoint again."""
+        resume.load_state_dict(state, self._clock, self._respond, keep_step=self._observer.step is not None)
 
     def close(self, clean: bool = True) -> None:
         """Remove every hook this guard installed. Idempotent. ``clean=False``: the process ends by

@@ -50,6 +50,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+NON_PERSISTENT = "non_persistent_buffers"
+"""the name an incident's extra states keep a model's non-persistent buffers under"""
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict`` leaves out (``persistent=False``: transformers' rotary ``inv_freq``,
+    causal masks), by qualified name: what the step's forward also read."""
+    return {f"{prefix}.{name}".lstrip("."): buffer.detach() for prefix, module in model.named_modules()
+            for name in module._non_persistent_buffers_set
+            if (buffer := module._buffers.get(name)) is not None}
+
+
 def sharding(model: nn.Module | None) -> str | None:
     """How an incident's per-rank states must be loaded, when the model is sharded (FSDP2)."""
     if model is not None and any(hasattr(p, "to_local") for p in model.parameters()):

@@ -28,7 +28,7 @@ from .fed import as_fed
 from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
-from .modules import sharding, unwrap
+from .modules import NON_PERSISTENT, non_persistent_buffers, sharding, unwrap
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -178,9 +178,13 @@ class Responder:
 
         def collect() -> RankPart:  # inside the capture: a failure here cannot skip a collective
             batches, rng = self.step_inputs(model)
+            extra = {name: obj.state_dict() for name, obj in self.states.items()}
+            unpersisted = non_persistent_buffers(unwrap(model)) if model is not None else {}
+            if unpersisted:  # (read by the forward too: a replay without them runs another step)
+                extra[NON_PERSISTENT] = unpersisted
             return RankPart(model_state=unwrap(model).state_dict() if model is not None else {},
                             optimizer_state=optimizer.state_dict() if optimizer is not None else None,
-                            extra_states={name: obj.state_dict() for name, obj in self.states.items()},
+                            extra_states=extra,
                             batches=batches if self.settings.capture_batch else None, rng=rng,
                             events=self.events.snapshot(), settings=settings_record(self.settings),
                             flight=self.flight.to_dict() if self.flight is not None else None)

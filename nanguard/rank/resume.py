@@ -19,9 +19,10 @@ def state_dict(clock: StepClock, respond: Responder) -> dict[str, Any]:
             "grad_norm_level": norms.level, "grad_norm_ordinary_steps": norms.ordinary_steps}
 
 
-def load_state_dict(state: Any, clock: StepClock, respond: Responder) -> None:
+def load_state_dict(state: Any, clock: StepClock, respond: Responder, keep_step: bool = False) -> None:
     """Check all of ``state`` first (it comes from a file), then load it; ConfigError names what is
-    wrong and nothing is loaded. Only "step" is required (a trainer's global step)."""
+    wrong and nothing is loaded. Only "step" is required (a trainer's global step). ``keep_step``:
+    the clock stays where it is (a replay counts from its incident's step)."""
     if not isinstance(state, dict) or "step" not in state:
         raise ConfigError(f"Guard.load_state_dict: expected a dict from Guard.state_dict() (at least "
                           f"'step'), got {type(state).__name__}; nothing was loaded")
@@ -40,7 +41,8 @@ def load_state_dict(state: Any, clock: StepClock, respond: Responder) -> None:
     if state.get("version", VERSION) != VERSION:
         raise ConfigError(f"Guard.load_state_dict: state version {state.get('version')!r} is not"
                           f" {VERSION}; nothing was loaded")
-    clock.step = clock.index = counts["step"]
+    if not keep_step:
+        clock.step = clock.index = counts["step"]
     respond.skipped_steps = counts["skipped_steps"]
     respond.norms.ordinary_steps = counts["grad_norm_ordinary_steps"]
     respond.norms.level = None if level is None else float(level)

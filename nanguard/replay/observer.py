@@ -21,7 +21,7 @@ from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
-from ..rank.modules import is_wrapper, plain_names, type_name, unwrap
+from ..rank.modules import NON_PERSISTENT, is_wrapper, non_persistent_buffers, plain_names, type_name, unwrap
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -54,6 +54,20 @@ def _check_model_state(model: nn.Module, state: dict[str, Any], path: str) -> No
         raise IncidentError(path, f"does not fit the script's model {type(model).__name__} "
                                   f"({'; '.join(problems)}); nothing was loaded. Replay with the "
                                   "script and model configuration that made the incident")
+
+
+def unpersisted(saved: Any, model: nn.Module, path: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, value) of what an incident holds of ``model``'s non-persistent buffers, checked before
+    anything is loaded: IncidentError unless each is a tensor of the model's own buffer of that
+    name, of its shape and dtype (the folder may come from anywhere)."""
+    own = non_persistent_buffers(model)
+    if not isinstance(saved, dict) or any(
+            not isinstance(value, torch.Tensor) or name not in own or value.shape != own[name].shape
+            or value.dtype != own[name].dtype for name, value in saved.items()):
+        raise IncidentError(path, f"holds non-persistent buffers that do not fit the script's model"
+                                  f" {type(model).__name__} (names, shapes or dtypes); nothing was loaded."
+                                  " Replay with the script and model configuration that made the incident")
+    return list(saved.items())
 
 
 class StepObserver:
@@ -147,12 +161,29 @@ class Replay(StepObserver):
             return
         unwrapped = unwrap(root)
         _check_model_state(unwrapped, self.state["model"], self._state_path)
+        unpersisted = self._unpersisted(unwrapped)
         back = devices.move(root, self.device) if self.device is not None else None
         with torch.no_grad():
             unwrapped.load_state_dict(self.state["model"])
+            buffers = dict(unwrapped.named_buffers())  # (moved to the replay's device by now)
+            for name, value in unpersisted:
+                buffers[name].copy_(value)
         self._model_loaded = True
         self._root = root
         self._install(root, param_names, back)
+
+    def _unpersisted(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The incident's values of the model's non-persistent buffers (``unpersisted``). An
+        incident from before they were captured holds none: the script's own are used, and the
+        notes say so."""
+        saved = (self.state.get("extra") or {}).get(NON_PERSISTENT)
+        if saved is None:
+            own = list(non_persistent_buffers(model))
+            if own:
+                self.notes.append(f"the incident holds no non-persistent buffers ({', '.join(own[:4])}):"
+                                  " the script's own were used")
+            return []
+        return unpersisted(saved, model, self._state_path)
 
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
@@ -163,7 +194,7 @@ class Replay(StepObserver):
             if saved is not None:
                 self._load_optimizer(optimizers[0], saved)
         extra = self.state.get("extra") or {}
-        for name, obj in states.items():
+        for name, obj in states.items():  # (never NON_PERSISTENT: init's states are its scaler and such)
             if name in extra:
                 obj.load_state_dict(extra[name])
             else:

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import nanguard
@@ -369,3 +371,113 @@ def test_a_replay_without_the_captured_batch_does_not_blame_the_hardware(monkeyp
     assert "says nothing of the hardware" in report["message"] and report["suspects"] == []
     assert report["devices"]["finding"] == "not_compared"
     assert any("capture_batch=False" in note for note in report["notes"])
+
+
+class Rotary(nn.Module):
+    """Scales by frequencies kept in a non-persistent buffer (transformers' rotary ``inv_freq``),
+    which ``state_dict`` leaves out."""
+
+    def __init__(self, width: int = 16, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("freq", torch.ones(width, dtype=dtype), persistent=False)
+
+    def forward(self, x):
+        return x * self.freq
+
+
+def faulted_script(model: nn.Module, fault, fault_at: int, resume_at: int | None = None):
+    """Train ``model`` (SGD) for up to 4 steps, ``fault()`` before loop step ``fault_at``: its
+    NonFiniteError, or None. ``resume_at``: a checkpoint's global step, loaded first."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        if resume_at is not None:
+            guard.load_state_dict({"step": resume_at})
+        for step in range(4):
+            if step == fault_at:
+                with torch.no_grad():
+                    fault()
+            x, y = data(step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err
+            optimizer.zero_grad()
+    return None
+
+
+def rotary_script(dtype: torch.dtype = torch.float32, corrupt_at: int = 2):
+    """The frequencies turn NaN between steps (a corrupt checkpoint loaded, say): a step-2 stop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), Rotary(16, dtype), nn.Linear(16, 4))
+    return faulted_script(model, lambda: model[2].freq.__setitem__(3, math.nan), corrupt_at)
+
+
+def test_a_non_persistent_buffer_is_captured_and_replayed(monkeypatch):
+    # without it the replay ran with the script's own finite frequencies, ran clean, and blamed
+    # the hardware
+    err = rotary_script()
+    assert err.event.layer == "2" and "buffer(s) freq were non-finite" in err.event.message
+    saved = read_incident(err.incident).rank_state(0)["extra"]["non_persistent_buffers"]
+    assert set(saved) == {"2.freq"} and torch.isnan(saved["2.freq"][3])
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(SystemExit) as exit_info:
+        rotary_script(corrupt_at=-1)  # the script's own frequencies are finite
+    assert exit_info.value.code == 0
+    report = read_incident(err.incident).replay_report()
+    assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "2"
+    assert report["suspects"] == []
+
+
+def test_non_persistent_buffers_that_do_not_fit_the_script_are_refused(monkeypatch):
+    err = rotary_script()
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(IncidentError, match="non-persistent buffers that do not fit"):
+        rotary_script(dtype=torch.float64, corrupt_at=-1)  # (refused before its forward)
+
+
+def resumed_script(fault_at: int = 1):
+    """A run resumed from a checkpoint at global step 100, whose weight turns NaN before step 101."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    return faulted_script(model, lambda: model[1].weight.__setitem__((0, 0), math.nan), fault_at, resume_at=100)
+
+
+def test_a_resumed_run_replays_its_step_although_the_script_loads_its_checkpoint_again(monkeypatch):
+    # the replayed script calls guard.load_state_dict({"step": 100}) again: the replay must still
+    # count its one step as the incident's (101), or it finds "a different first event" and blames
+    # the hardware
+    err = resumed_script()
+    assert err.event.step == 101
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(SystemExit) as exit_info:
+        resumed_script(fault_at=-1)  # the incident's weights hold the NaN
+    assert exit_info.value.code == 0
+    report = read_incident(err.incident).replay_report()
+    assert report["verdict"] == "reproducible" and report["first_event"]["step"] == 101
+    assert report["suspects"] == []
+
+
+_NAMES = st.sampled_from(["2.freq", "freq", "2.other", "0.weight", ""])
+_VALUES = st.one_of(
+    st.builds(lambda n, dtype: torch.ones(n, dtype=dtype), st.integers(0, 20),
+              st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bool])),
+    st.none(), st.integers(), st.text(max_size=5), st.lists(st.floats(), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.dictionaries(_NAMES, _VALUES, max_size=4), st.lists(_VALUES, max_size=2), st.text(max_size=5),
+                 st.none(), st.integers()))
+def test_non_persistent_buffers_of_any_incident_are_loaded_only_when_each_fits(saved):
+    from nanguard.incident import IncidentError as Refused
+    from nanguard.replay.observer import unpersisted
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), Rotary(16), nn.Linear(16, 4))
+    fits = isinstance(saved, dict) and all(
+        name == "2.freq" and isinstance(value, torch.Tensor) and value.shape == (16,) and value.dtype == torch.float32
+        for name, value in saved.items())
+    if fits:
+        assert unpersisted(saved, model, "state.pt") == list(saved.items())
+    else:
+        with pytest.raises(Refused, match="state.pt: holds non-persistent buffers that do not fit"):
+            unpersisted(saved, model, "state.pt")

@@ -618,6 +618,48 @@ def test_a_bad_step_whose_diagnosis_fails_is_still_stopped_and_says_so(monkeypat
     assert "the diagnosis failed (RecursionError: injected)" in event.message
 
 
+class SoftmaxInCode(nn.Module):
+    """An attention whose softmax is a tensor method, not a module: its projection takes the NaN."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x, mask):
+        return self.proj((x @ x.transpose(-1, -2) + mask).softmax(-1) @ x)
+
+
+class PaddedAttention(nn.Module):
+    """Adds a padding mask from the batch to its own mask buffer and hands the sum to its attention."""
+
+    def __init__(self, width: int = 8, tokens: int = 5):
+        super().__init__()
+        self.register_buffer("mask", torch.zeros(tokens, tokens))
+        self.att, self.head = SoftmaxInCode(width), nn.Linear(width, 2)
+
+    def forward(self, x, padding):
+        return self.head(self.att(x, mask=self.mask + padding[:, None, :]) + x)
+
+
+def test_a_nan_the_batch_brought_into_an_argument_is_told_as_the_batchs():
+    torch.manual_seed(0)
+    model = PaddedAttention()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.init(model, optimizer):
+        for step in range(3):
+            padding = torch.zeros(4, 5)
+            if step == 2:
+                padding[1, 3] = math.nan
+            model(torch.randn(4, 5, 8), padding).sum().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+                break
+    assert event.input_nonfinite and "the input batch of the model was already non-finite" in event.message
+    assert "born outside any module" not in event.message, event.message
+
+
 class Counting(nn.Module):
     """Writes buffers of every kind in its forward: a float one holding -0.0, a denormal and a huge
     value (each must come back bit for bit), an int counter and a bool flag."""
