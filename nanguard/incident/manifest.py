@@ -5,7 +5,7 @@ Layout (``FORMAT_VERSION`` 2)::
 
     <root>/<incident>/manifest.json      written last, by one rank, once every rank is done
     <root>/<incident>/replay.json        the replay report, once a replay has run
-    <root>/<incident>/rank<k>/state.pt   {"model": ..., "optimizer": ..., "extra": {"scaler": ...}}
+    <root>/<incident>/rank<k>/state.pt   {"model": ..., "optimizer": ..., "extra": {"scaler": ..., "non_persistent_buffers": ...}}
                               batches.pt  [{"args": ..., "kwargs": ...}, ...] (absent without capture_batch)
                               rng.pt      rng_snapshot() from the start of the step
                               events.json [Event.to_dict(), ...]
