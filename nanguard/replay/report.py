@@ -29,6 +29,10 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     notes = sorted({note for t in traces for note in t["notes"]})
     suspect = _suspect(incident, original)
     own_data = any(t.get("own_data") for t in traces)
+    if reproducible and None not in (event.micro_batch, original.micro_batch) and event.micro_batch != original.micro_batch:
+        notes.append(f"found at micro-batch {event.micro_batch} here, at micro-batch {original.micro_batch} in the"
+                     " original: the incident holds the state as it was at the stop, so what was written into"
+                     " the weights or buffers between the step's micro-batches is in place from the first one here")
     if not torch.cuda.is_available() and suspect["device"] not in ("cpu", None):
         notes.append(f"replayed on the CPU: the original ran on {suspect['device']}; GPU kernels do not give"
                      " bit-identical results, so a fault of a GPU kernel may not show here")

@@ -385,19 +385,20 @@ class Rotary(nn.Module):
         return x * self.freq
 
 
-def faulted_script(model: nn.Module, fault, fault_at: int, resume_at: int | None = None):
-    """Train ``model`` (SGD) for up to 4 steps, ``fault()`` before loop step ``fault_at``: its
-    NonFiniteError, or None. ``resume_at``: a checkpoint's global step, loaded first."""
+def faulted_script(model: nn.Module, fault, fault_at: int, resume_at: int | None = None, micro_batches: int = 1):
+    """Train ``model`` (SGD) for up to 4 steps, ``fault()`` before loop step ``fault_at`` (before its
+    last micro-batch): its NonFiniteError, or None. ``resume_at``: a checkpoint's global step, loaded first."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanguard.init(model, optimizer) as guard:
         if resume_at is not None:
             guard.load_state_dict({"step": resume_at})
         for step in range(4):
-            if step == fault_at:
-                with torch.no_grad():
-                    fault()
-            x, y = data(step)
-            nn.functional.cross_entropy(model(x), y).backward()
+            for micro in range(micro_batches):
+                if step == fault_at and micro == micro_batches - 1:
+                    with torch.no_grad():
+                        fault()
+                x, y = data(step, micro)
+                nn.functional.cross_entropy(model(x), y).backward()
             try:
                 optimizer.step()
             except nanguard.NonFiniteError as err:
@@ -481,3 +482,18 @@ def test_non_persistent_buffers_of_any_incident_are_loaded_only_when_each_fits(s
     else:
         with pytest.raises(Refused, match="state.pt: holds non-persistent buffers that do not fit"):
             unpersisted(saved, model, "state.pt")
+
+
+def test_a_weight_written_between_micro_batches_replays_with_a_note_of_it(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    err = faulted_script(model, lambda: model[1].weight.__setitem__((0, 0), math.nan), 2, micro_batches=2)
+    assert err.event.micro_batch == 1
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    torch.manual_seed(0)
+    again = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    with pytest.raises(SystemExit):
+        faulted_script(again, lambda: None, -1, micro_batches=2)
+    report = read_incident(err.incident).replay_report()
+    assert report["first_event"]["micro_batch"] == 0
+    assert any("found at micro-batch 0 here, at micro-batch 1 in the original" in note for note in report["notes"])
