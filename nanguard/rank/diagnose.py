@@ -363,6 +363,13 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
               **(forensics.describe(grad) if grad is not None else {"has_nan": True}),
               "extra": {"bad_params": names[:16]}}
     counted = f"{len(bad)} of {len(grads)} parameter gradients are non-finite"
+    if not any(record.role == OUT for record in log.records):
+        # no module output of this step was checked: nothing says the forward was finite
+        return fields | {"message": f"{counted}, this one first in backward order; no module output of the"
+                                    " model was checked in this step (a model compiled in place with"
+                                    " module.compile() before a bare nanguard.init() is never seen: pass it"
+                                    " to init), so whether it was born in the forward or the backward is"
+                                    " unknown"}
     last = next(iter(order), None)  # the last module to run: the first in backward order
     if last is not None and slot == last:
         # Even the first gradients of the backward pass are bad: what entered it was.
@@ -434,8 +441,13 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
     found, blamed = [], []
+    outside = not any(start <= index for start, _, _ in log.spans)  # no forward of a root began before it
     for label in dict.fromkeys(labels):
         module = _module(by_name, label)
+        if not label and outside:  # the script called the model's modules itself (a GAN's G and D)
+            found.append("the training script, outside the model (its root module ran no forward in this"
+                         " step: the script called its modules directly), or the data it gave them")
+            continue
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")

@@ -284,6 +284,10 @@ class Replay(StepObserver):
         notes = self.ops.stop() if self.ops is not None else []
         for handle in self._handles:
             handle.remove()
+        if self._forwards == 0 and self._model_loaded:  # its modules were called directly (a GAN's G and D)
+            self.own_data = True
+            notes.append("the model's root module ran no forward in this step (the script called its modules"
+                         " directly): no batch was captured or fed, the script's own inputs were used")
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,

@@ -497,3 +497,33 @@ def test_a_weight_written_between_micro_batches_replays_with_a_note_of_it(monkey
     report = read_incident(err.incident).replay_report()
     assert report["first_event"]["micro_batch"] == 0
     assert any("found at micro-batch 0 here, at micro-batch 1 in the original" in note for note in report["notes"])
+
+
+def gan_script(bad_at: int = 2):
+    """G and D kept in one container whose forward never runs: the script calls them itself."""
+    torch.manual_seed(0)
+    gan = nn.ModuleDict({"G": nn.Sequential(nn.Linear(4, 8)), "D": nn.Sequential(nn.Linear(8, 1))})
+    optimizer = torch.optim.SGD(gan.parameters(), lr=0.1)
+    with nanguard.init(gan, optimizer):
+        for step in range(4):
+            real = data(step)[0]
+            if step == bad_at:
+                real[1, 2] = math.nan
+            (gan["D"](gan["G"](real[:, 4:])).mean() - gan["D"](real).mean()).backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err
+            optimizer.zero_grad()
+
+
+def test_a_replay_of_modules_called_directly_says_it_ran_on_the_scripts_own_data(monkeypatch):
+    # no root forward, so no batch was captured: a clean replay must not blame the hardware
+    err = gan_script()
+    assert err.event.layer == "D.0"
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(SystemExit):
+        gan_script(bad_at=-1)
+    report = read_incident(err.incident).replay_report()
+    assert report["own_data"] is True and report["suspects"] == []
+    assert any("root module ran no forward" in note for note in report["notes"])

@@ -660,6 +660,51 @@ def test_a_nan_the_batch_brought_into_an_argument_is_told_as_the_batchs():
     assert "born outside any module" not in event.message, event.message
 
 
+def test_modules_the_script_calls_directly_under_a_root_that_never_runs_are_not_blamed_on_the_root():
+    # a GAN kept in one container: the script calls G and D itself, so the root ModuleDict never ran
+    torch.manual_seed(0)
+    gan = nn.ModuleDict({"G": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8)), "D": nn.Sequential(nn.Linear(8, 1))})
+    optimizer = torch.optim.SGD(gan.parameters(), lr=0.0)
+    with nanguard.init(gan, optimizer):
+        for step in range(3):
+            real = torch.randn(4, 8)
+            if step == 2:
+                real[1, 2] = math.nan  # the data
+            (gan["D"](gan["G"](torch.randn(4, 4))).mean() - gan["D"](real).mean()).backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+                break
+    assert event.layer == "D.0" and "the training script, outside the model (its root module ran no forward" \
+        in event.message and "the root module" not in event.message, event.message
+
+
+def test_a_gradient_with_no_forward_checked_does_not_say_the_forward_was_finite():
+    # a bare init() never sees a model compiled in place: its hooks run inside the compiled frame
+    torch._dynamo.reset()
+    guard = nanguard.init()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        model.compile(backend="aot_eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model[1].weight[0, 0] = math.nan
+            model(torch.randn(4, 4)).sum().backward()
+            with contextlib.suppress(nanguard.NonFiniteError):
+                optimizer.step()
+            optimizer.zero_grad()
+        event = guard.events[0]
+    finally:
+        guard.close()
+        torch._dynamo.reset()
+    assert event.kind == "grad" and "no module output of the model was checked in this step" in event.message
+    assert "born in the backward pass" not in event.message
+
+
 class Counting(nn.Module):
     """Writes buffers of every kind in its forward: a float one holding -0.0, a denormal and a huge
     value (each must come back bit for bit), an int counter and a bool flag."""
