@@ -69,6 +69,7 @@ class Guard:
                                   lambda: model_to_save(self._roots),
                                   lambda model: step_inputs(self._detector, model, self._rng),
                                   self._detector.catalog.param_name, self._detector.buffers)
+        self._respond.model_gone = lambda: any(root() is None for root in self._roots)
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
         if settings.disable:

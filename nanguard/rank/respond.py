@@ -63,6 +63,8 @@ class Responder:
         self.states = states
         self.on_stop = on_stop
         self.model_to_save = model_to_save
+        self.model_gone: Callable[[], bool] = lambda: False
+        """whether a model given to the guard has been freed (set by the guard)"""
         self.step_inputs = step_inputs
         self.buffers = buffers
         self.param_name = param_name
@@ -175,6 +177,10 @@ class Responder:
     # ------------------------------------------------------------------ incidents
     def _capture(self, event: Event, optimizer: torch.optim.Optimizer | None) -> None:
         model = self.model_to_save()
+        if model is None and self.model_gone():
+            log.warning("nanguard: the model given to nanguard.init is gone (nanguard holds it weakly, and the"
+                        " script kept no reference to it, a container made in the call, say): the incident"
+                        " holds no weights; keep the model in a variable")
 
         def collect() -> RankPart:  # inside the capture: a failure here cannot skip a collective
             batches, rng = self.step_inputs(model)

@@ -38,6 +38,10 @@ _FORENSIC_DETAIL_MB = 2.0**20  # keep every checked tensor of the one replayed s
 def _check_model_state(model: nn.Module, state: dict[str, Any], path: str) -> None:
     """Refuse a state that does not fit ``model`` before a single tensor is copied into it."""
     expected = model.state_dict()
+    if not state and expected:
+        raise IncidentError(path, "holds no model state: the model given to nanguard.init was gone when the"
+                                  " incident was captured (the script kept no reference to it), so this"
+                                  " incident cannot be replayed; keep the model in a variable")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     shapes = [k for k in expected if k in state and isinstance(state[k], torch.Tensor)

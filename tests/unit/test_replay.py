@@ -8,6 +8,7 @@ at the replayed step's optimizer step.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import pathlib
 import subprocess
@@ -527,3 +528,32 @@ def test_a_replay_of_modules_called_directly_says_it_ran_on_the_scripts_own_data
     report = read_incident(err.incident).replay_report()
     assert report["own_data"] is True and report["suspects"] == []
     assert any("root module ran no forward" in note for note in report["notes"])
+
+
+def unkept_script(fault: bool = True):
+    """G and D given to init in a container the script does not keep (so it is freed at once)."""
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD([*g.parameters(), *d.parameters()], lr=0.1)
+    with nanguard.init(nn.ModuleDict({"G": g, "D": d}), optimizer):
+        for step in range(4):
+            if step == 2 and fault:
+                with torch.no_grad():
+                    d[0].weight[0, 0] = math.nan
+            d(g(data(step)[0][:, :4])).mean().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err
+            optimizer.zero_grad()
+
+
+def test_a_model_the_script_did_not_keep_is_told_at_the_capture_and_the_replay(monkeypatch, caplog):
+    # nanguard holds the model weakly: a container made in the call to init is gone at once
+    with caplog.at_level(logging.WARNING, logger="nanguard"):
+        err = unkept_script()
+    assert err.event.layer == "D.0"
+    assert any("the model given to nanguard.init is gone" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(IncidentError, match="holds no model state: the model given to nanguard.init was gone"):
+        unkept_script(fault=False)
