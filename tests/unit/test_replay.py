@@ -8,6 +8,7 @@ at the replayed step's optimizer step.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import pathlib
@@ -536,6 +537,7 @@ def unkept_script(fault: bool = True):
     g, d = nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(8, 1))
     optimizer = torch.optim.SGD([*g.parameters(), *d.parameters()], lr=0.1)
     with nanguard.init(nn.ModuleDict({"G": g, "D": d}), optimizer):
+        gc.collect()  # (a container in a reference cycle goes only when the collector runs)
         for step in range(4):
             if step == 2 and fault:
                 with torch.no_grad():
