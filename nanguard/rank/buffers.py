@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import forensics
-from .records import version_of
+from .records import changed_since, version_of
 
 NORMS = (nn.modules.batchnorm._NormBase,)
 """BatchNorm, SyncBatchNorm, InstanceNorm: running statistics written inside their kernels"""
@@ -154,7 +154,7 @@ class Buffers:
         if not self.versions:
             return []
         found = [(q, b) for q, _, _, b in self._current() if q in self.versions and (
-            q in self._written or self.versions[q] != (version_of(b), id(b)))]
+            q in self._written or changed_since(self.versions, q, b))]
         self._written.update(q for q, _ in found)
         self._learned = bool(self.versions)
         return [(q, b) for q, b in found if b.is_floating_point()]
@@ -178,8 +178,7 @@ class Buffers:
             for qualified, module, name, buffer in self._current():
                 kept = self.kept.get(qualified)
                 if kept is None:
-                    now = (version_of(buffer), id(buffer))
-                    if self.versions.get(qualified, now) != now:
+                    if changed_since(self.versions, qualified, buffer):
                         missed.append(qualified)
                     continue
                 if id(buffer) == self.versions[qualified][1]:

@@ -17,7 +17,7 @@ import torch
 from ..events import Event
 from . import forensics
 from .buffers import NORMS
-from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, version_of
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, changed_since
 
 if TYPE_CHECKING:
     from .decision import Reading
@@ -267,7 +267,7 @@ def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     return {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(note, message)}
 
 
-def _bad_state(log: StepLog, info: Slot, recurse: bool = True) -> str:
+def _bad_state(log: StepLog, info: Slot | None, recurse: bool = True) -> str:
     """What of a module's state could make a non-finite value of finite ones ("" if nothing), as
     words to follow "its" or "whose": its non-finite parameters, and its buffers as the step began
     that held NaN, or a normalisation layer's running statistics, used in eval, that were
@@ -277,15 +277,15 @@ def _bad_state(log: StepLog, info: Slot, recurse: bool = True) -> str:
     statistics in training, which normalises by the batch's; nor infinities in other buffers:
     models keep -inf masks there. Its own alone unless ``recurse``: all of it by default, as
     nn.MultiheadAttention uses out_proj's weight without calling it."""
-    module = info.module()
+    module = info.module() if info is not None else None
     if module is None:
         return ""
     params = [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)]
     stale, negative = [], []
     for name, buffer in module.named_buffers(recurse=recurse):
         qualified = f"{info.name}.{name}".lstrip(".")
-        start, now = log.buffers_at_start.get(qualified), (version_of(buffer), id(buffer))
-        if start is None and log.buffer_versions.get(qualified, now) == now:
+        start = log.buffers_at_start.get(qualified)
+        if start is None and not changed_since(log.buffer_versions, qualified, buffer):
             start = buffer  # not written since the step began
         if start is None or not start.is_floating_point() or not start.numel():
             continue
@@ -433,7 +433,7 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         taken = _nan_argument(catalog, log, extremes, ".".join(own[:cut]), index)
         if taken is not None:  # most likely its value came in with it; or the caller's code made it
             caller = ".".join(own[:cut])
-            bad = _bad_state(log, by_name[caller], recurse=False) if caller in by_name else ""
+            bad = _bad_state(log, by_name.get(caller), recurse=False)
             caller = caller or "the root module"
             return (f"{_code_between(catalog, log, extremes, taken)} (passed to {caller} as an argument"
                     f" already with NaN), or of {caller} itself" + (f", whose {bad}" if bad else ""))
@@ -451,7 +451,7 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")
-        bad = _bad_state(log, by_name[label], recurse=False) if label in by_name else ""
+        bad = _bad_state(log, by_name.get(label), recurse=False)
         if bad:
             blamed.append(f"{found[-1]}, whose {bad}")
     if blamed:

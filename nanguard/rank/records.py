@@ -28,6 +28,13 @@ def version_of(tensor: torch.Tensor) -> int:
         return next(_UNTRACKED)
 
 
+def changed_since(versions: dict[str, tuple[int, int]], name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, known as ``name``, was written or replaced since ``versions`` (its
+    (``version_of``, id) then) were taken; False for a name they do not hold."""
+    then = versions.get(name)
+    return then is not None and then != (version_of(tensor), id(tensor))
+
+
 OUT, IN, BATCH, CHECK, LINK = range(5)
 """what a probe looked at: a module's output, a module's input that nothing had checked (or a value
 it passed on), the batch given to a root module, a tensor given to ``Guard.check``; a LINK is no
