@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,10 +37,16 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class StepClock:
-    """Which optimizer step the process is in, as events and reports count it."""
+    """Which optimizer step the process is in, as events and reports count it.
+
+    With several optimizers one of them counts the steps (the *primary*: the first to step), and
+    the others' steps belong to its last one: a GAN's generator steps after its discriminator, with
+    a forward of its own in between, in the same iteration. An optimizer that steps twice without
+    the primary stepping in between becomes the primary (the one that steps most often, or the
+    only one left stepping)."""
 
     step: int = 0
-    """optimizer steps seen (with several optimizers, the steps of the first one to step)"""
+    """optimizer steps seen (with several optimizers, the primary's)"""
     index: int = 0
     """the 0-based step that events happen in"""
     optimizer_seen: bool = False
@@ -48,18 +54,23 @@ class StepClock:
     stepped: bool = False
     """an optimizer step was decided since the GradScaler's last update()"""
     primary: weakref.ref | None = None
-    """the optimizer that counts the steps: the first one to step"""
+    """the optimizer that counts the steps"""
+    others: list = field(default_factory=list)
+    """ids of the other optimizers that stepped since the primary's last step"""
 
-    def begin(self, optimizer: torch.optim.Optimizer, count: bool, pending: int) -> bool:
-        """An optimizer step is being decided; True when it counts as a new step. Another
-        optimizer stepping after the primary in the same iteration (its probes already read,
-        nothing ``pending``) belongs to that same step."""
+    def begin(self, optimizer: torch.optim.Optimizer, count: bool) -> bool:
+        """An optimizer step is being decided; True when it counts as a new step."""
         self.optimizer_seen = self.stepped = True
-        if self.primary is None:
-            self.primary = weakref.ref(optimizer)
-        primary = self.primary() is optimizer and count
-        self.index = self.step if primary or pending else max(self.step - 1, 0)
-        return primary
+        primary = self.primary() if self.primary is not None else None
+        if primary is not optimizer and (primary is None or id(optimizer) in self.others):
+            self.primary, primary = weakref.ref(optimizer), optimizer
+        if primary is optimizer:
+            self.others.clear()
+        elif count:
+            self.others.append(id(optimizer))
+        counted = primary is optimizer and count
+        self.index = self.step if counted else max(self.step - 1, 0)
+        return counted
 
     def end(self, counted: bool) -> None:
         self.step += counted

@@ -379,33 +379,44 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                        " in backward order: the gradient entering the model's backward was already"
                        " non-finite, so most likely the loss (or code between the model and the"
                        " loss) made it; guard.check(loss) shows the loss's value"}
-    return fields | {"message": f"{counted}, this one first in backward order; the forward and the gradients"
-                                " of the modules that ran after it were finite, so it was born in the"
-                                f" backward pass{_between(catalog, list(order), slot, owners, norms)}"}
-
-
-def _between(catalog: Catalog, order: list[int], slot: int | None, owners: list[torch.Tensor],
-             norms: list[float], most: int = 4) -> str:
-    """Where in the backward pass the first bad gradient (of ``slot``, in backward ``order``) was
-    born: after the gradients of the module made just before it, when all of those were finite,
-    and through what ran between the two in the forward ("" when that cannot be said)."""
     if slot not in order:
-        return ""
+        return fields | {"message": f"{counted}; the forward of its module did not run in this step (since the"
+                                    " last optimizer step): its output was made earlier and used again, as a"
+                                    " GAN's generator's is, so what the backward pass went through before it"
+                                    " is not known here: it was born in that backward pass, or came in with"
+                                    " the loss's gradient"}
+    return fields | {"message": f"{counted}, this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"}
+
+
+def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Tensor], norms: list[float],
+            most: int = 4) -> str:
+    """Where in the backward pass the first bad gradient (of ``slot``, in backward ``order``) was
+    born: after the gradients of the module made just before it, when those were produced by this
+    backward and finite, and through what ran between the two in the forward. When no module
+    after it in the forward left a gradient to check (no trainable parameters, or frozen), the
+    gradient may as well have come in with the loss's."""
     finite: dict[int, bool] = {}
     for param, norm in zip(owners, norms):
         owner = catalog.param_owner.get(id(param))
-        if owner is not None:
+        if owner is not None and param.requires_grad:  # a frozen one's gradient is not this backward's
             finite[owner] = finite.get(owner, True) and math.isfinite(norm)
     position = order.index(slot)
     earlier = [i for i in range(position) if order[i] in finite]
-    if not earlier or not finite[order[earlier[-1]]]:
-        return ""
-    after = order[earlier[-1]]
-    text = f" between the gradients of {catalog.slots[after].name} (finite) and this one"
-    between = [catalog.slots[s] for s in reversed(order[earlier[-1] + 1:position]) if not catalog.slots[s].container]
-    if between:
-        text += "; what ran between them in the forward, without parameters: " + ", ".join(
-            f"{info.name} ({info.module_type})" for info in between[:most])
+    after = order[earlier[-1]] if earlier else None
+    between = [catalog.slots[s] for s in reversed(order[earlier[-1] + 1 if earlier else 0:position])
+               if not catalog.slots[s].container]
+    ran = ", ".join(f"{info.name} ({info.module_type})" for info in between[:most])
+    if after is None:
+        return ("the forward was finite, but no module that ran after it in the forward left a gradient"
+                f" to check (no trainable parameters, or frozen{': ' + ran if ran else ''}), so it was born"
+                " in their backward pass or came in with the loss's gradient; guard.check(loss) shows the"
+                " loss's value")
+    text = ("the forward and the gradients of the modules that ran after it were finite, so it was born in"
+            " the backward pass")
+    if finite[after]:
+        text += f" between the gradients of {catalog.slots[after].name} (finite) and this one"
+        if ran:
+            text += "; what ran between them in the forward, without parameters: " + ran
     return text
 
 

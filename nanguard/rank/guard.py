@@ -100,7 +100,7 @@ class Guard:
     @property
     def step(self) -> int:
         """Optimizer steps seen, a refused one included (with several optimizers, the steps of
-        the first one to step); between steps, the 0-based index of the next step. Events carry
+        the first one to step, the others' steps belonging to its last: ``StepClock``); between steps, the 0-based index of the next step. Events carry
         the index of the step they happened in."""
         return self._clock.step
 
@@ -234,7 +234,7 @@ class Guard:
 
     def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True) -> None:
         self._observer.optimizers([optimizer], {})
-        counted = self._clock.begin(optimizer, count, self._detector.pending)
+        counted = self._clock.begin(optimizer, count)
         try:
             self._decider.decide(optimizer, collective=True)
         finally:

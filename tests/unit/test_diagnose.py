@@ -116,7 +116,7 @@ def test_a_checked_loss_is_a_loss_event():
 
 def gradients_case(cat, bad_slot):
     """Two modules (slots 1 then 2 in execution order), one parameter each."""
-    params = [torch.zeros(2), torch.zeros(2)]
+    params = [torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)]
     grads = [torch.ones(2), torch.ones(2)]
     grads[bad_slot - 1] = torch.tensor([NAN, 1.0])
     for slot, param in zip((1, 2), params):
