@@ -57,6 +57,8 @@ class StepClock:
     """the optimizer that counts the steps"""
     others: list = field(default_factory=list)
     """ids of the other optimizers that stepped since the primary's last step"""
+    part: int = 0
+    """how many optimizer steps of this step came before the one being decided (0: the primary's)"""
 
     def begin(self, optimizer: torch.optim.Optimizer, count: bool) -> bool:
         """An optimizer step is being decided; True when it counts as a new step."""
@@ -68,6 +70,7 @@ class StepClock:
             self.others.clear()
         elif count:
             self.others.append(id(optimizer))
+        self.part = 0 if primary is optimizer else max(len(self.others), 1)
         counted = primary is optimizer and count
         self.index = self.step if counted else max(self.step - 1, 0)
         return counted

@@ -31,7 +31,7 @@ from .detector import Detector
 from .modules import unwrap_optimizer
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
-from .respond import Responder, model_to_save, step_inputs
+from .respond import Responder, models_to_save, step_inputs
 
 
 class Guard:
@@ -46,7 +46,8 @@ class Guard:
         self._scoped = model is not None
         self._handles: list[Any] = []
         self._undo: list[Callable[[], Any]] = []  # what is not a hook handle
-        self._roots: list[weakref.ref] = []
+        self._roots: list[tuple[weakref.ref, str]] = []
+        """(root, the prefix of its names), in the order they were attached"""
         self._rng: dict[str, Any] | None = None
         self._identity = RankInfo.from_env()
         self._collectives = collectives or Collectives()
@@ -66,10 +67,11 @@ class Guard:
         self._reporter = reporter
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
-                                  lambda: model_to_save(self._roots),
+                                  lambda: models_to_save(self._roots),
                                   lambda model: step_inputs(self._detector, model, self._rng),
                                   self._detector.catalog.param_name, self._detector.buffers)
-        self._respond.model_gone = lambda: any(root() is None for root in self._roots)
+        self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)
+        self._respond.step_part = lambda: self._clock.part
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
         if settings.disable:
@@ -82,7 +84,8 @@ class Guard:
             self._clock.step = self._clock.index = observer.step
             # the original step was decided at an optimizer step, not at the end of a forward
             self._clock.optimizer_seen = self._clock.optimizer_seen or observer.stepped
-        observer.optimizers(optimizers, self._respond.states)
+        # (an optimizer's state is loaded at its first step: the first to step is the one captured)
+        observer.optimizers([], self._respond.states)
         if "scaler" in self._respond.states:
             self._undo.append(patch_scaler_update(self._respond.states["scaler"], self._after_scaler_update))
             # scaled until the scaler unscales them: the gradients are taken at the optimizer step
@@ -149,7 +152,7 @@ class Guard:
         """A micro-batch begins with ``batch``, which the model's own forward does not take (a
         Lightning ``training_step`` calls submodules): it is captured with the step, and a replay
         puts the captured batch into it, in place."""
-        root = model_to_save(self._roots)
+        root = next(iter(models_to_save(self._roots)), (None, None))[1]
         if self._closed or self.settings.disable or root is None:
             return
         self._observer.batch_given(root, batch)
@@ -193,11 +196,26 @@ class Guard:
     # ------------------------------------------------------------------ installing
     def _attach(self, root: nn.Module) -> int:
         REGISTRY.claim(self, root)
-        self._roots.append(weakref.ref(root))
-        slot = self._detector.attach(root)
+        prefix = self._prefix(root)
+        self._roots.append((weakref.ref(root), prefix))
+        slot = self._detector.attach(root, prefix)
         if next(root.parameters(), None) is not None:
-            self._observer.model_attached(root, self._detector.catalog.param_names)
+            self._observer.model_attached(root, self._detector.catalog.param_names, prefix)
         return slot
+
+    def _prefix(self, root: nn.Module) -> str:
+        """What a root's names begin with: nothing for the first root with parameters (the model's
+        names are its own), its class name for any other a bare ``init()`` finds (a GAN's critic
+        beside its generator, an EMA teacher beside its student, a loss module), so that no two
+        modules share a name."""
+        first = next(root.parameters(), None) is not None and not any(
+            name == "" for _, name in self._roots)
+        if first:
+            return ""
+        taken = {name for _, name in self._roots}
+        name = type(root).__name__
+        return name if name not in taken else next(
+            f"{name}#{k}" for k in range(2, len(taken) + 3) if f"{name}#{k}" not in taken)
 
     def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
         """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""

@@ -52,6 +52,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 NON_PERSISTENT = "non_persistent_buffers"
 """the name an incident's extra states keep a model's non-persistent buffers under"""
+STEP_PART = "optimizer_steps_before"
+"""the name they keep, when not 0, how many optimizer steps of the stopped step came before the
+one stopped (a GAN's critic's, before its generator's): the state is from after them"""
+MORE_MODELS = "more_models"
+"""the name they keep a bare init()'s other models under (its roots after the first), by the
+prefix of their names: {prefix: {"model": state_dict, NON_PERSISTENT: {name: tensor}}}"""
 
 
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from .fed import as_fed
 from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
-from .modules import NON_PERSISTENT, non_persistent_buffers, sharding, unwrap
+from .modules import MORE_MODELS, NON_PERSISTENT, STEP_PART, non_persistent_buffers, sharding, unwrap
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -47,12 +48,13 @@ def _action(policy: str, world: int, stepping: bool) -> str:
 
 
 class Responder:
-    """Acts on decided steps for one guard. ``model_to_save()`` and ``step_inputs(model)`` (the
-    step's batches and the RNG at its start) give what an incident holds besides the optimizer."""
+    """Acts on decided steps for one guard. ``models_to_save()`` (the models, the first one's
+    batches kept) and ``step_inputs(model)`` (the step's batches and the RNG at its start) give
+    what an incident holds besides the optimizer."""
 
     def __init__(self, settings: Settings, identity: RankInfo, group: Collectives, reporter: Reporter,
                  events: EventLog, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
-                 model_to_save: Callable[[], nn.Module | None],
+                 models_to_save: Callable[[], list[tuple[str, nn.Module]]],
                  step_inputs: Callable[[nn.Module | None], tuple[list, dict[str, Any]]],
                  param_name: Callable[[torch.Tensor], str], buffers: Buffers):
         self.settings = settings
@@ -62,9 +64,11 @@ class Responder:
         self.events = events
         self.states = states
         self.on_stop = on_stop
-        self.model_to_save = model_to_save
+        self.models_to_save = models_to_save
         self.model_gone: Callable[[], bool] = lambda: False
         """whether a model given to the guard has been freed (set by the guard)"""
+        self.step_part: Callable[[], int] = lambda: 0
+        """how many optimizer steps of the step came before the one stopped (set by the guard)"""
         self.step_inputs = step_inputs
         self.buffers = buffers
         self.param_name = param_name
@@ -176,11 +180,14 @@ class Responder:
 
     # ------------------------------------------------------------------ incidents
     def _capture(self, event: Event, optimizer: torch.optim.Optimizer | None) -> None:
-        model = self.model_to_save()
+        models = self.models_to_save()
+        model = models[0][1] if models else None
         if model is None and self.model_gone():
             log.warning("nanguard: the model given to nanguard.init is gone (nanguard holds it weakly, and the"
                         " script kept no reference to it, a container made in the call, say): the incident"
                         " holds no weights; keep the model in a variable")
+
+        part = self.step_part()
 
         def collect() -> RankPart:  # inside the capture: a failure here cannot skip a collective
             batches, rng = self.step_inputs(model)
@@ -188,6 +195,12 @@ class Responder:
             unpersisted = non_persistent_buffers(unwrap(model)) if model is not None else {}
             if unpersisted:  # (read by the forward too: a replay without them runs another step)
                 extra[NON_PERSISTENT] = unpersisted
+            if part:  # the state is from after those steps: a replay from the step's start cannot run
+                extra[STEP_PART] = part
+            if len(models) > 1:  # a bare init()'s other roots: a GAN's critic, an EMA teacher
+                extra[MORE_MODELS] = {name: {"model": unwrap(other).state_dict(),
+                                             NON_PERSISTENT: non_persistent_buffers(unwrap(other))}
+                                      for name, other in models[1:]}
             return RankPart(model_state=unwrap(model).state_dict() if model is not None else {},
                             optimizer_state=optimizer.state_dict() if optimizer is not None else None,
                             extra_states=extra,
@@ -214,10 +227,10 @@ def _exact_norm(param: torch.Tensor, norm: float) -> float:
     return float(torch.linalg.vector_norm(forensics.stored(forensics.plain(grad)).double()))
 
 
-def model_to_save(roots: list) -> nn.Module | None:
-    """The first root with parameters: the model an incident saves."""
-    return next((m for m in (r() for r in roots) if m is not None and next(m.parameters(), None) is not None),
-                None)
+def models_to_save(roots: list[tuple[weakref.ref, str]]) -> list[tuple[str, nn.Module]]:
+    """(prefix, root) of the roots with parameters still alive, in the order they were attached:
+    the models an incident saves (the first one's batches and weights where one model is read)."""
+    return [(name, m) for ref, name in roots if (m := ref()) is not None and next(m.parameters(), None) is not None]
 
 
 def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None

@@ -21,7 +21,7 @@ from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
-from ..rank.modules import NON_PERSISTENT, is_wrapper, non_persistent_buffers, plain_names, type_name, unwrap
+from ..rank.modules import MORE_MODELS, NON_PERSISTENT, STEP_PART, is_wrapper, non_persistent_buffers, plain_names, type_name, unwrap
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -74,6 +74,47 @@ def unpersisted(saved: Any, model: nn.Module, path: str) -> list[tuple[str, torc
     return list(saved.items())
 
 
+def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str) -> bool:
+    """Load what an incident's extra states hold of the model whose names begin with ``prefix``
+    (a bare init()'s roots after the first: ``MORE_MODELS``), once checked to fit ``model``;
+    False when it holds none (an incident from before they were captured). IncidentError, with
+    nothing loaded, for anything else (the folder may come from anywhere)."""
+    saved = extra.get(MORE_MODELS) if isinstance(extra, dict) else None
+    if saved is None or (isinstance(saved, dict) and prefix not in saved):
+        return False
+    record = saved.get(prefix) if isinstance(saved, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("model"), dict) or not all(
+            isinstance(key, str) for key in record["model"]):
+        raise IncidentError(path, f"holds a record of the model {prefix} that is not a state dict; nothing"
+                                  " of it was loaded. The incident folder is damaged or was not written by"
+                                  " nanguard")
+    _check_model_state(model, record["model"], path)
+    buffers = unpersisted(record.get(NON_PERSISTENT, {}), model, path)
+    with torch.no_grad():
+        model.load_state_dict(record["model"])
+        own = dict(model.named_buffers())
+        for name, value in buffers:
+            own[name].copy_(value)
+    return True
+
+
+def _refuse_a_later_optimizer(extra: Any, path: str) -> None:
+    """IncidentError when the incident was stopped at an optimizer that stepped after another in
+    the same step (``STEP_PART``): its state is from after that other's update, which a replay,
+    running the step's code from its start, would apply a second time before reaching it."""
+    before = extra.get(STEP_PART, 0) if isinstance(extra, dict) else 0
+    if type(before) is not int or before < 0:
+        raise IncidentError(path, f"holds {STEP_PART}={before!r}, not a count; the incident folder is damaged"
+                                  " or was not written by nanguard, and cannot be replayed")
+    if before:
+        raise IncidentError(path, f"was stopped at an optimizer that steps after {before} other optimizer step(s)"
+                                  " of the same step (a GAN's generator after its critic): the incident holds"
+                                  " the weights as they were at that stop, after the other update, which a replay"
+                                  " of the step from its start would make again before reaching the stopped"
+                                  " one. This step cannot be replayed; nothing was run. The incident's report"
+                                  " (nanguard inspect) and its batch and weights are still there to read")
+
+
 class StepObserver:
     """What a guard tells about its steps; this one does nothing (no replay)."""
 
@@ -86,8 +127,9 @@ class StepObserver:
         """The guard's settings for what is observed."""
         return settings
 
-    def model_attached(self, root: nn.Module, param_names: dict[int, str]) -> None:
-        """``root`` (with parameters) is now guarded."""
+    def model_attached(self, root: nn.Module, param_names: dict[int, str], prefix: str = "") -> None:
+        """``root`` (with parameters) is now guarded; its names begin with ``prefix`` (empty for
+        the first such root, the model)."""
 
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """The guard met these optimizers (and scaler, scheduler states)."""
@@ -115,6 +157,7 @@ class Replay(StepObserver):
         self.settings = settings
         self.device = devices.parse(settings.replay_device)
         self.state = incident.rank_state(self.rank)
+        _refuse_a_later_optimizer(self.state.get("extra"), self._state_path)
         self.notes: list[str] = [part.note] if part.note else []
         self.batches = incident.rank_batches(self.rank, self.notes)
         self.rng = incident.rank_rng(self.rank)
@@ -157,10 +200,14 @@ class Replay(StepObserver):
         return self.state.get("optimizer") is not None
 
     # ------------------------------------------------------------------ loading
-    def model_attached(self, root: nn.Module, param_names: dict[int, str]) -> None:
+    def model_attached(self, root: nn.Module, param_names: dict[int, str], prefix: str = "") -> None:
         """Loads the captured weights into the model inside ``root``'s wrappers (and moves it to
         NANGUARD_REPLAY_DEVICE) and hooks ``root`` for the replay; ``param_names``: qualified
-        names by ``id(param)``, as reports use them."""
+        names by ``id(param)``, as reports use them. Another model (``prefix``: a GAN's critic, an
+        EMA teacher) only gets its weights."""
+        if prefix:
+            self._load_other(root, prefix)
+            return
         if self._model_loaded:
             return
         unwrapped = unwrap(root)
@@ -176,6 +223,14 @@ class Replay(StepObserver):
         self._root = root
         self._install(root, param_names, back)
 
+    def _load_other(self, root: nn.Module, prefix: str) -> None:
+        if not load_other_model(self.state.get("extra"), prefix, unwrap(root), self._state_path):
+            self.notes.append(f"the incident holds no weights of {prefix}, a model the script runs beside the"
+                              " first one: the script's own were used")
+        elif self.device is not None:
+            self.notes.append(f"{prefix} stayed where the script put it (only the first model moves to"
+                              " NANGUARD_REPLAY_DEVICE)")
+
     def _unpersisted(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The incident's values of the model's non-persistent buffers (``unpersisted``). An
         incident from before they were captured holds none: the script's own are used, and the
@@ -190,8 +245,8 @@ class Replay(StepObserver):
         return unpersisted(saved, model, self._state_path)
 
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
-        """Loads the first optimizer's state once it is known (a bare ``init()`` meets it at its
-        first step), and the scaler's and scheduler's given to ``init``."""
+        """Loads the optimizer state into the first optimizer to step (the one whose step an
+        incident stopped and saved: ``StepClock``), and the scaler's and scheduler's given to ``init``."""
         saved = self.state.get("optimizer")
         if optimizers and not self._optimizers_loaded:
             self._optimizers_loaded = True

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import nanguard
+from nanguard.incident import read_incident
 from test_guard import GradFault
+from test_replay import REPO
 
 
 def gan(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -118,3 +124,134 @@ def test_a_gradient_after_a_last_module_without_parameters_names_it_and_the_loss
     assert "no module that ran after it in the forward left a gradient to check" in event.message
     assert "3 (GradFault)" in event.message and "the loss's gradient" in event.message, event.message
     assert "born in the backward pass" not in event.message
+
+
+GAN_SCRIPT = """
+import math, sys, torch, nanguard
+from torch import nn
+nanguard.init()                  # bare: the generator and the critic are found as two roots
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+fault = sys.argv[1]
+for iteration in range(4):
+    if iteration == 2 and fault == "critic weight":  # a corrupt critic, between iterations
+        with torch.no_grad():
+            D[2].weight[0, 0] = math.nan
+    real, noise = torch.randn(16, 8), torch.randn(16, 8)
+    fake = G(noise)
+    d_loss = nn.functional.softplus(-D(real)).mean() + nn.functional.softplus(D(fake.detach())).mean()
+    opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+    score = D(fake)
+    g_loss = nn.functional.softplus(-score).mean()
+    if iteration == 2 and fault == "generator loss":
+        g_loss = g_loss + torch.sqrt((score - score.detach()).abs().sum())
+    opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+print("loop ended")
+"""
+
+
+def run_gan(tmp_path, fault: str, replay: str | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / "gan.py"
+    script.write_text(GAN_SCRIPT)
+    # this checkout's nanguard, not whichever one the interpreter has installed
+    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    if replay is not None:
+        env["NANGUARD_REPLAY"] = replay
+    return subprocess.run([sys.executable, str(script), fault], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_bare_init_names_and_saves_every_model_and_its_replay_loads_them(tmp_path):
+    first = run_gan(tmp_path, "critic weight")
+    assert first.returncode != 0 and "NonFiniteError" in first.stderr
+    (incident,) = (tmp_path / "inc").iterdir()
+    saved = read_incident(str(incident))
+    event = saved.first_event
+    # the critic's names begin with its class name: "2" alone would be the generator's layer
+    assert (event.kind, event.layer, event.step) == ("forward", "Sequential.2", 2), event
+    state = saved.rank_state(0)
+    assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    critic = state["extra"]["more_models"]["Sequential"]["model"]
+    assert critic["2.weight"].shape == (1, 16) and math.isnan(critic["2.weight"][0, 0])
+    # the replayed script's critic is finite: only the incident's weights make the step bad again
+    second = run_gan(tmp_path, "none", replay=str(incident))
+    assert second.returncode == 0, second.stderr
+    report = read_incident(str(incident)).replay_report()
+    assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "Sequential.2", report
+
+
+def test_a_step_stopped_at_a_later_optimizer_is_refused_by_a_replay_with_the_reason(tmp_path):
+    first = run_gan(tmp_path, "generator loss")
+    assert first.returncode != 0 and "NonFiniteError" in first.stderr
+    (incident,) = (tmp_path / "inc").iterdir()
+    assert read_incident(str(incident)).rank_state(0)["extra"]["optimizer_steps_before"] == 1
+    second = run_gan(tmp_path, "generator loss", replay=str(incident))
+    assert second.returncode != 0 and "loop ended" not in second.stdout
+    assert "was stopped at an optimizer that steps after 1 other optimizer step(s)" in second.stderr
+    assert "This step cannot be replayed; nothing was run" in second.stderr
+    assert not (incident / "replay.json").exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.none(), st.integers(), st.text(max_size=4),
+    st.dictionaries(st.sampled_from(["more_models", "other"]), st.one_of(
+        st.none(), st.integers(), st.dictionaries(st.sampled_from(["Sequential", "D", ""]), st.one_of(
+            st.none(), st.text(max_size=3), st.dictionaries(st.sampled_from(["model", "non_persistent_buffers"]),
+                                                            st.one_of(st.none(), st.integers(), st.just({}), st.just(
+                                                                {"weight": torch.ones(1, 4), "bias": torch.ones(1)}),
+                                                                st.just({"weight": torch.ones(2, 4)}),
+                                                                st.just({3: torch.ones(1)})), max_size=2)),
+            max_size=2)), max_size=2)))
+def test_another_model_of_any_incident_is_loaded_only_when_it_fits(extra):
+    from nanguard.incident import IncidentError as Refused
+    from nanguard.replay.observer import load_other_model
+
+    model = nn.Linear(4, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    record = extra.get("more_models") if isinstance(extra, dict) else None
+    held = isinstance(record, dict) and "Sequential" in record
+    entry = record["Sequential"] if held else None
+    fits = held and isinstance(entry, dict) and isinstance(entry.get("model"), dict) and set(
+        entry["model"]) == {"weight", "bias"} and entry.get("non_persistent_buffers", {}) == {}
+    absent = record is None or (isinstance(record, dict) and not held)
+    if absent:
+        assert load_other_model(extra, "Sequential", model, "state.pt") is False
+    elif fits:
+        assert load_other_model(extra, "Sequential", model, "state.pt") is True
+        assert torch.equal(model.weight, torch.ones(1, 4))
+        return
+    else:
+        with pytest.raises(Refused, match="^state.pt: "):
+            load_other_model(extra, "Sequential", model, "state.pt")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def test_a_replay_loads_the_optimizer_state_into_the_optimizer_that_stepped_first(monkeypatch, incidents_in_tmp):
+    # init is given [generator's, critic's] but the critic steps first: the incident holds the
+    # critic's optimizer, and a replay must not load it into the generator's (their counts match)
+    def script(fault: bool):
+        generator, critic, opt_g, opt_d = gan()
+        models = nn.ModuleDict({"G": generator, "D": critic})
+        with nanguard.init(models, [opt_g, opt_d]):
+            for iteration in range(4):
+                if fault and iteration == 2:  # a corrupt critic between iterations: the critic's step stops
+                    with torch.no_grad():
+                        critic[2].weight[0, 0] = math.nan
+                gan_iteration(generator, critic, opt_g, opt_d)
+
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        script(fault=True)
+    assert info.value.event.step == 2 and info.value.event.layer == "D.2", info.value.event
+    monkeypatch.setenv("NANGUARD_REPLAY", info.value.incident)
+    opts = []
+    monkeypatch.setattr(torch.optim.Adam, "load_state_dict", lambda self, state: opts.append((self, state)))
+    with pytest.raises(SystemExit):
+        script(fault=False)
+    assert len(opts) == 1
+    loaded_into, state = opts[0]
+    shapes = {tuple(s["exp_avg"].shape) for s in state["state"].values()}
+    assert (1, 16) in shapes and all(p.shape in {(16, 8), (16,), (1, 16), (1,)}
+                                     for g in loaded_into.param_groups for p in g["params"])
