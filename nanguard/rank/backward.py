@@ -1,6 +1,7 @@
-"""What the backward pass is watched for: each DDP gradient bucket before its all-reduce, and
-the parameters' gradients as the pass leaves them, before the training loop clips, unscales or
-otherwise rewrites them (so that what it does to them cannot move the blame). No host sync."""
+"""What the backward pass is watched for: each DDP gradient bucket before its all-reduce (and each
+FSDP2 reduce-scatter's input), and the parameters' gradients as the pass leaves them, before the
+training loop clips, unscales or otherwise rewrites them (so that what it does to them cannot move
+the blame). No host sync."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ class BackwardWatch:
         if param.requires_grad:
             self._params.append(weakref.ref(param))
 
+    def watch_collectives(self, root: nn.Module, modules: list[nn.Module]) -> None:
+        """Watch what sums the gradients across ranks in ``root`` (its ``modules``, itself among
+        them): DDP's buckets, or FSDP2's reduce-scatters when the root is ``fully_shard``-ed
+        (then every parameter is sharded, and each gradient goes through one)."""
+        for module in modules:
+            if type(module).__name__ == "DistributedDataParallel":
+                self.watch_ddp(module)
+        if hasattr(root, "set_custom_reduce_scatter"):
+            self.watch_fsdp([m for m in modules if hasattr(m, "set_custom_reduce_scatter")])
+
     def watch_ddp(self, ddp: nn.Module) -> None:
         """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
         NaN born in its own backward from one the all-reduce brought in from another rank.
@@ -68,6 +79,36 @@ class BackwardWatch:
         except RuntimeError:
             return  # the user registered a hook first: no per-rank origin for backward NaNs
         ddp.register_comm_hook = register_comm_hook
+        self.watches_buckets = True
+
+    def watch_fsdp(self, modules: list[nn.Module]) -> None:
+        """Probe each FSDP2 reduce-scatter's input (this rank's own gradients, before they are
+        summed across ranks), as DDP's buckets are: ``modules`` are every ``fully_shard``-ed
+        module of a model whose root is one. Through ``set_custom_reduce_scatter``, with the
+        default reduce-scatter; a model where any of them has another (its own, or several
+        parameter groups) is not watched at all, and its reports say so."""
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+        except ImportError:
+            return
+        buckets, watch = self.log.buckets, self
+
+        class Watched(DefaultReduceScatter):
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                if watch.attached() and input_tensor.numel():
+                    buckets.extend(probe(input_tensor))
+                    watch._queue_end()
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        try:
+            if not all(len(groups := m._get_fsdp_state()._fsdp_param_groups) <= 1 and all(
+                    type(g._reduce_scatter_comm) is DefaultReduceScatter for g in groups) for m in modules):
+                return
+            for module in modules:
+                if module._get_fsdp_state()._fsdp_param_groups:
+                    module.set_custom_reduce_scatter(Watched())
+        except (AttributeError, ValueError, RuntimeError):
+            return  # another torch's FSDP2: its gradients are not watched
         self.watches_buckets = True
 
     def forward_done(self, output: object) -> None:

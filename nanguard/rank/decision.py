@@ -145,16 +145,16 @@ def agree(collectives: Collectives | None, local: Finding | None) -> Finding | N
     """The job's first finding, the same on every rank: a forward producer beats the gradients
     it poisoned, a value born on a rank beats what the all-reduce spread, then the earliest in the
     step (a value that a collective inside the model spread is seen later than where it was born),
-    then the lowest rank."""
+    then the rank whose own shard of the module's state explains it (FSDP2), then the lowest rank."""
     if collectives is None:
         return local
-    mine = None if local is None else (local.event.to_dict(), local.born_here, local.position)
-    candidates = [Finding(Event.from_dict(event), born_here, position)
-                  for event, born_here, position in filter(None, collectives.all_gather_object(mine))]
+    mine = None if local is None else (local.event.to_dict(), local.born_here, local.position, local.own_state)
+    candidates = [Finding(Event.from_dict(event), born_here, position, own)
+                  for event, born_here, position, own in filter(None, collectives.all_gather_object(mine))]
     if not candidates:
         return None
     return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
-                                          f.position or (math.inf, math.inf), f.event.rank))
+                                          f.position or (math.inf, math.inf), not f.own_state, f.event.rank))
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

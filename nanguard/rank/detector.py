@@ -112,6 +112,7 @@ class Detector:
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
+        self._eager_root_end = torch._dynamo.disable(self._root_end, recursive=True)
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -147,9 +148,7 @@ class Detector:
             hook = forward_hook(self, slot, mode, leaf, named=module is root, untouched=isinstance(
                 module, nn.modules.dropout._DropoutNd) and not module.inplace)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        for module in names:
-            if type(module).__name__ == "DistributedDataParallel":
-                self.backward.watch_ddp(module)
+        self.backward.watch_collectives(root, list(names))
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))
@@ -242,11 +241,14 @@ class Detector:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
     def _make_root_pre(self, root_slot: int):
+        # A root compiled in place (module.compile()) runs its hooks inside the compiled frame:
+        # the bookkeeping runs there as a call Dynamo does not trace (a graph break at the
+        # forward's start and end, once a call; traced, it would recompile on every new
+        # micro-batch number)
+        eager = torch._dynamo.disable(self.root_pre, recursive=True)
+
         def root_pre(module, args, kwargs):
-            # A root compiled in place (module.compile()) runs its hooks inside the graph: leave
-            # out the bookkeeping there, Dynamo would recompile on every new micro-batch number.
-            if not torch.compiler.is_compiling():
-                self.root_pre(root_slot, args, kwargs)
+            (eager if torch.compiler.is_compiling() else self.root_pre)(root_slot, args, kwargs)
             return None
 
         return root_pre
@@ -274,15 +276,17 @@ class Detector:
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):
-        if torch.compiler.is_compiling():
-            return None
+        # (compiled in place: a call Dynamo does not trace, as the root's pre-hook makes)
+        (self._eager_root_end if torch.compiler.is_compiling() else self._root_end)(output)
+        return None
+
+    def _root_end(self, output: Any) -> None:
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
             self._let_go_clean()
         if self.on_root_end is not None:
             self.on_root_end()
-        return None
 
     def _let_go_clean(self) -> None:
         """At the end of a forward on the CPU, let go of the tensors it kept for detail when every

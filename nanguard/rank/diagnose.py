@@ -31,8 +31,11 @@ _UNVERSIONED = ("no element detail: an inference tensor (torch.inference_mode) k
                 " cannot be told unchanged since it was checked")
 _CHANGED = ("no element detail: the tensor was changed in place after it was checked (an in-place"
             " activation, say)")
-_FROM_OTHER_RANK = ("this rank's own gradients were finite before DDP's all-reduce: another rank"
-                    " sent the non-finite values")
+_FROM_OTHER_RANK = ("this rank's own gradients were finite before they were summed across ranks (DDP's"
+                    " all-reduce, FSDP's reduce-scatter): another rank sent the non-finite values")
+_SCATTERED = ("the gradients of a sharded model (FSDP2) are reduce-scattered across ranks before they are"
+              " checked: this rank holds the shard where the non-finite values landed, and the rank whose"
+              " backward pass made them is not known")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,9 @@ class Finding:
     program it was seen, comparable between ranks that run the same model, so that a value a
     collective inside the model (a synchronised norm) spread is placed after where it was born
     (None inside a compiled graph, which counts no calls)"""
+    own_state: bool = False
+    """the module's own non-finite state on this rank explains it: with a sharded model (FSDP2)
+    every rank computes with the gathered weights, and the rank holding the bad shard says so"""
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
@@ -61,8 +67,12 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     first = _first_bad_output(log, extremes)
     if first is not None:
         record = log.records[first]
-        return Finding(make(forward_fields(catalog, log, extremes, first)),
-                       position=None if record.compiled else (log.micro_batch_of(first) or 0, record.call))
+        fields = forward_fields(catalog, log, extremes, first)
+        info = catalog.slots[record.slot] if record.role != CHECK else None
+        module = info.module() if info is not None else None
+        own = module is not None and any(_sharded(p) for p in module.parameters()) and bool(_bad_state(log, info))
+        return Finding(make(fields), position=None if record.compiled else (log.micro_batch_of(first) or 0, record.call),
+                       own_state=own)
     fields = buffer_fields(catalog, log, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
@@ -70,6 +80,9 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     if fields is None:
         return None
     local_grads_bad = reading.local_grads_bad
+    if local_grads_bad is None and any(_sharded(p) for p in owners):
+        fields["message"] = f"{fields['message']}; {_SCATTERED}"
+        return Finding(make(fields), born_here=False)
     if local_grads_bad is None:
         return Finding(make(fields))
     fields["extra"]["born_here"] = local_grads_bad
@@ -169,9 +182,12 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
     info = catalog.slots[record.slot]
     fields |= {"layer": info.name, "module_type": info.module_type, "output_field": record.field}
     if record.compiled:
-        return fields | {"kind": "forward", "input_nonfinite": None, "output_nonfinite": True, "message": _join(
-            "first non-finite module output seen in a compiled graph, where inputs and containers are"
-            " not checked: it may have been born just before this module", fields.get("message"))}
+        batch = _bad_batch(catalog, log, index)  # (taken outside the graph, at the root's call)
+        came = f"{batch[2]}, and " if batch is not None and batch[0] is not None else ""
+        return fields | {"kind": "forward", "input_nonfinite": True if came else None, "output_nonfinite": True,
+                         "message": _join(
+            f"{came}this is the first non-finite module output seen in a compiled graph, where inputs and"
+            " containers are not checked: it may have been born just before this module", fields.get("message"))}
     if record.passed is not False:
         return fields | _passed_on(catalog, log, extremes, index, info, fields.get("message"))
     source = _bad_input(catalog, log, extremes, index)
@@ -418,6 +434,11 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
         if ran:
             text += "; what ran between them in the forward, without parameters: " + ran
     return text
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    """A parameter this rank holds a shard of (a DTensor: FSDP2, tensor parallel)."""
+    return type(param) is not torch.Tensor and hasattr(param, "to_local")
 
 
 def _join(*parts: str | None) -> str:

@@ -315,6 +315,42 @@ def test_compiled_model_keeps_one_graph_and_still_stops():
     assert "compiled graph" in event.message
 
 
+def test_a_model_compiled_in_place_keeps_its_batch_and_buffers_and_compiles_once(incidents_in_tmp):
+    # module.compile() runs the root's hooks inside the compiled frame: the batch must still be
+    # captured and the buffers kept, and the micro-batch count must not recompile the graph
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        model.compile(backend="aot_eager")
+        for step in range(3):
+            for micro in range(2):
+                x = torch.randn(16, 4)
+                if (step, micro) == (2, 1):
+                    x[3, 1] = math.nan
+                model(x).sum().backward()
+            if step == 2:
+                assert not torch.isfinite(model[1].running_mean).all()
+                with pytest.raises(nanguard.NonFiniteError):
+                    optimizer.step()
+                # the stopped step's statistics (NaN) were put back as they were before it
+                assert torch.isfinite(model[1].running_mean).all()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+        counters = dict(torch._dynamo.utils.counters["stats"])
+    torch._dynamo.reset()
+    (event,) = guard.events
+    assert (event.step, event.micro_batch, event.input_nonfinite) == (2, 1, True), event
+    assert event.message.startswith("the input batch of the model was already non-finite"), event.message
+    batches = nanguard.incident.read_incident(guard.incident).rank_batches(0, [])
+    assert len(batches) == 2 and torch.isnan(batches[1]["args"][0][3, 1])
+    # the frame, split once by the root's bookkeeping (2 here), not compiled again per micro-batch
+    assert 1 <= counters.get("unique_graphs", 0) <= 3, counters
+
+
 def test_bare_init_with_a_compiled_model():
     """Compiled code runs FX graphs as modules: a bare init() must leave those alone."""
     torch._dynamo.reset()

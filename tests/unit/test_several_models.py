@@ -255,3 +255,35 @@ def test_a_replay_loads_the_optimizer_state_into_the_optimizer_that_stepped_firs
     shapes = {tuple(s["exp_avg"].shape) for s in state["state"].values()}
     assert (1, 16) in shapes and all(p.shape in {(16, 8), (16,), (1, 16), (1,)}
                                      for g in loaded_into.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("own_comm", [False, True])
+def test_fsdp2_gradients_are_watched_before_the_reduce_scatter_or_the_report_says_it_cannot_tell(tmp_path, own_comm):
+    # one rank (gloo): FSDP2 still shards into DTensors and reduce-scatters. The torchrun tests
+    # check the rank that is named; this checks both paths of one process
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class Mine(DefaultReduceScatter):  # a team's own reduce-scatter: nanguard leaves it alone
+        pass
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), GradFault(), nn.Linear(8, 2))
+        fully_shard(model)
+        if own_comm:
+            model.set_custom_reduce_scatter(Mine())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanguard.init(model, optimizer):
+            model[1].armed = True
+            model(torch.randn(4, 8)).sum().backward()
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                optimizer.step()
+    finally:
+        dist.destroy_process_group()
+    event = info.value.event
+    assert event.kind == "grad" and event.layer == "0.weight", event
+    scattered = "the rank whose backward pass made them is not known" in event.message
+    assert scattered is own_comm, event.message

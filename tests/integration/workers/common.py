@@ -25,7 +25,7 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward", "kill")
+FAULTS = ("none", "forward", "input", "backward", "kill", "weight")
 
 
 # --------------------------------------------------------------------------- faults
@@ -203,6 +203,9 @@ def run(args: argparse.Namespace, wrap) -> int:
     step = -1
     try:
         for step in range(args.steps):
+            if faulty and step == args.fault_step and args.fault == "weight":
+                with torch.no_grad():  # this rank's own copy, or shard (FSDP2), of a weight: before the step
+                    _local(net.blocks[1].fc.weight)[0, 0] = float("nan")
             result["step_digests"].append(weights_digest(model))
             for micro in range(args.accum):
                 x = torch.randn(8, 8, generator=generator)
@@ -213,7 +216,7 @@ def run(args: argparse.Namespace, wrap) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit and args.fault == "input":
                     x[0, 0] = float("nan")
-                fault_module.mode = args.fault if hit and args.fault != "input" else None
+                fault_module.mode = args.fault if hit and args.fault in ("forward", "backward") else None
                 last = micro == args.accum - 1
                 with contextlib.nullcontext() if last else no_sync():
                     loss = nn.functional.cross_entropy(model(x), y) / args.accum
