@@ -111,6 +111,12 @@ class BackwardWatch:
             return  # another torch's FSDP2: its gradients are not watched
         self.watches_buckets = True
 
+    def watched(self) -> bool:
+        """Whether this step's own gradients were seen before they were summed across ranks: not
+        when nothing was probed there (one rank: FSDP2 sums nothing; a reduce-scatter that a
+        later setting replaced), which cannot tell a rank's own NaN from another's."""
+        return self.watches_buckets and bool(self.log.buckets)
+
     def forward_done(self, output: object) -> None:
         """A root forward returned ``output``: its backward pass will be watched."""
         if self.snapshot_gradients and not self.watches_buckets and torch.is_grad_enabled():

@@ -200,9 +200,9 @@ class Decider:
         owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
         written = detector.buffers.written()
         reading = read_step(detector.log.values, norms,
-                            detector.bucket_probes if gradients_too else [], collectives,
+                            detector.log.buckets if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
-                            watches_buckets=detector.watches_buckets, evidence=detector.log.evidence,
+                            watches_buckets=detector.backward.watched(), evidence=detector.log.evidence,
                             buffers=detector.buffers.probes(written), extras=self.respond.extras(),
                             slots=(detector.log.value_slots, detector.log.evidence_slots))
         if reading is None:  # nothing checked, nobody to agree with

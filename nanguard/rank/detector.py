@@ -332,15 +332,6 @@ class Detector:
         """Probes made since the last decision."""
         return len(self.log.records)
 
-    @property
-    def bucket_probes(self) -> list[torch.Tensor]:
-        """Probes of this step's local gradients before DDP's all-reduce (read with the rest)."""
-        return self.log.buckets
-
-    @property
-    def watches_buckets(self) -> bool:
-        return self.backward.watches_buckets
-
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
         self.feeds.step_decided(self.log.batches)

@@ -437,8 +437,9 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
 
 
 def _sharded(param: torch.Tensor) -> bool:
-    """A parameter this rank holds a shard of (a DTensor: FSDP2, tensor parallel)."""
-    return type(param) is not torch.Tensor and hasattr(param, "to_local")
+    """A parameter this rank holds a shard of (a DTensor over several ranks: FSDP2, tensor parallel)."""
+    mesh = getattr(param, "device_mesh", None) if type(param) is not torch.Tensor else None
+    return mesh is not None and mesh.size() > 1
 
 
 def _join(*parts: str | None) -> str:

@@ -279,7 +279,7 @@ class StepLog:
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     """(first probe index, root slot, micro-batch) of every root forward"""
     buckets: list[torch.Tensor] = field(default_factory=list)
-    """probes of DDP gradient buckets before their all-reduce"""
+    """probes of the gradients before they are summed across ranks (DDP buckets, FSDP2 reduce-scatters)"""
     batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]] = field(default_factory=list)
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static

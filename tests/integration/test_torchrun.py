@@ -186,17 +186,19 @@ def test_fsdp2_forward_nan_stops_every_rank_before_the_update(torchrun):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault, kind, layer, said", [
+@pytest.mark.parametrize("fault, kind, rank, layer, said", [
     # every rank sees the NaN after the reduce-scatter; each one's input to it tells them apart
-    ("backward", "grad", "blocks.1.fc.weight", "without parameters: blocks.1.fault (Fault)"),
+    ("backward", "grad", 1, "blocks.1.fc.weight", "without parameters: blocks.1.fault (Fault)"),
     # the all-gather gives every rank the NaN weight: the rank whose shard holds it names it
-    ("weight", "forward", "blocks.1.fc", "parameter(s) weight are non-finite"),
+    ("weight", "forward", 1, "blocks.1.fc", "parameter(s) weight are non-finite"),
+    # a team's own reduce-scatter is left alone: which rank made it cannot be told, and is not
+    ("backward --own-reduce-scatter", "grad", 0, "blocks.1.fc.weight", "made them is not known"),
 ])
-def test_fsdp2_nan_of_one_rank_is_named_on_that_rank(torchrun, fault, kind, layer, said):
-    job = torchrun.standalone("fsdp_train.py", "--fault", fault, "--fault-rank", "1",
+def test_fsdp2_nan_of_one_rank_is_named_on_that_rank(torchrun, fault, kind, rank, layer, said):
+    job = torchrun.standalone("fsdp_train.py", "--fault", *fault.split(), "--fault-rank", "1",
                               "--fault-step", "3", "--steps", "5")
     event = assert_common_stop(job.ok(world=2), step=3, same_weights_across_ranks=False)
-    assert (event["kind"], event["rank"], event["layer"]) == (kind, 1, layer), event
+    assert (event["kind"], event["rank"], event["layer"]) == (kind, rank, layer), event
     assert said in event["message"], event["message"]
 
 

@@ -491,7 +491,7 @@ def test_ddp_world_of_one_strips_the_wrapper_name(tmp_path):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with nanguard.init(model, optimizer) as guard:
             train_step(model, optimizer, guard)
-            assert len(guard._detector.bucket_probes) == 0  # read and reset with the step
+            assert len(guard._detector.log.buckets) == 0  # read and reset with the step
             calls = []
 
             def user_hook(state, bucket):  # a team's own comm hook, registered after init
