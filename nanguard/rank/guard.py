@@ -206,16 +206,18 @@ class Guard:
     def _prefix(self, root: nn.Module) -> str:
         """What a root's names begin with: nothing for the first root with parameters (the model's
         names are its own), its class name for any other a bare ``init()`` finds (a GAN's critic
-        beside its generator, an EMA teacher beside its student, a loss module), so that no two
+        beside its generator, an EMA teacher beside its student, a loss module), with ``#k`` for
+        the k-th root of that class (``Sequential#2``: the second ``Sequential``), so that no two
         modules share a name."""
         first = next(root.parameters(), None) is not None and not any(
             name == "" for _, name in self._roots)
         if first:
             return ""
+        cls = type(root)
+        k = 1 + sum(type(ref()) is cls for ref, _ in self._roots)
         taken = {name for _, name in self._roots}
-        name = type(root).__name__
-        return name if name not in taken else next(
-            f"{name}#{k}" for k in range(2, len(taken) + 3) if f"{name}#{k}" not in taken)
+        return next(name for n in range(k, k + len(taken) + 1)
+                    if (name := cls.__name__ if n == 1 else f"{cls.__name__}#{n}") not in taken)
 
     def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
         """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""

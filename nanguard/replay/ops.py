@@ -34,7 +34,7 @@ LIMIT = 4  # operations kept per phase: the first ones are what matter
 _MODULE_KEY = "nanguard_module"  # in an autograd node's metadata: (name, type) of the module that made it
 _MAX_INPUTS = 8
 _KEEP_BYTES = 16 << 20  # an in-place operation's input is copied, to be described, up to this size
-# outputs that hold whatever the memory held: never judged
+# outputs that hold whatever the memory held: never judged (with any overload: empty.memory_format)
 _UNINITIALISED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                   "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::resize_as_",
                   "aten::set_"}
@@ -161,7 +161,7 @@ class OpWatch:
     # ------------------------------------------------------------------ each operation
     def on_op(self, func, args: tuple, kwargs: dict) -> Any:
         name = func.name()
-        if (self._paused or name in _UNINITIALISED or func.namespace in _COLLECTIVES
+        if (self._paused or name.partition(".")[0] in _UNINITIALISED or func.namespace in _COLLECTIVES
                 or all(len(r) >= LIMIT for r in self.records.values())):
             return func(*args, **kwargs)
         before = _before(func, args, kwargs)

@@ -204,7 +204,7 @@ class Sqrtish(nn.Module):
 
 def test_what_the_operation_check_never_blames():
     """Non-finite inputs (a -inf mask), in-place updates of a finite tensor, nanguard's own
-    bookkeeping and modules the settings skip are not where a value was made."""
+    bookkeeping, uninitialised memory and modules the settings skip are not where a value was made."""
     watch = OpWatch(lambda: 0)
     masked = nn.Sequential(Masker())
     handles = watch.install(masked, {"0"})
@@ -217,6 +217,9 @@ def test_what_the_operation_check_never_blames():
         from nanguard.rank.detector import probe
 
         probe(huge)  # nanguard's own sum overflows: not the user's
+        for _ in range(20):  # uninitialised memory (overloads too: empty.memory_format) is not a fault,
+            torch.full((64,), math.nan)  # whatever it held: the NaN of this tensor, freed at once, often
+            torch.empty(64), torch.empty_like(huge), huge.new_empty(8)
         y = torch.full((2,), -1.0)
         y.log_()  # in place: its input was finite before it ran
     finally:

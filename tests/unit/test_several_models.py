@@ -169,17 +169,44 @@ def test_a_bare_init_names_and_saves_every_model_and_its_replay_loads_them(tmp_p
     (incident,) = (tmp_path / "inc").iterdir()
     saved = read_incident(str(incident))
     event = saved.first_event
-    # the critic's names begin with its class name: "2" alone would be the generator's layer
-    assert (event.kind, event.layer, event.step) == ("forward", "Sequential.2", 2), event
+    # the critic's names begin with its class and number: "2" alone would be the generator's layer
+    assert (event.kind, event.layer, event.step) == ("forward", "Sequential#2.2", 2), event
     state = saved.rank_state(0)
     assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    critic = state["extra"]["more_models"]["Sequential"]["model"]
+    critic = state["extra"]["more_models"]["Sequential#2"]["model"]
     assert critic["2.weight"].shape == (1, 16) and math.isnan(critic["2.weight"][0, 0])
     # the replayed script's critic is finite: only the incident's weights make the step bad again
     second = run_gan(tmp_path, "none", replay=str(incident))
     assert second.returncode == 0, second.stderr
     report = read_incident(str(incident)).replay_report()
-    assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "Sequential.2", report
+    assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "Sequential#2.2", report
+
+
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2, 3])
+def test_a_bare_init_names_each_model_by_its_class_and_number(bad):
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)), Critic(), nn.Sequential(nn.Linear(4, 4))]
+    expected = ["0", "Sequential#2.0", "Critic.fc", "Sequential#3.0"]
+    with nanguard.init(on_nan="warn") as guard:
+        optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    next(models[bad].parameters())[0, 0] = math.nan
+            sum(model(torch.randn(2, 4)).sum() for model in models).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        (event,) = [e for e in guard.events if e.kind == "forward"]
+    assert (event.layer, event.step) == (expected[bad], 1), event
 
 
 def test_a_step_stopped_at_a_later_optimizer_is_refused_by_a_replay_with_the_reason(tmp_path):
