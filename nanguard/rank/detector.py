@@ -42,7 +42,7 @@ from . import forensics
 from .backward import BackwardWatch, probe
 from .buffers import Buffers
 from .fed import Feeds
-from .modules import plain_names, type_name
+from .modules import plain_names, type_name, untraced
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
@@ -112,7 +112,7 @@ class Detector:
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
-        self._eager_root_end = torch._dynamo.disable(self._root_end, recursive=True)
+        self._root_end = untraced(self._end_of_root)  # (compiled in place, untraced)
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -241,14 +241,11 @@ class Detector:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
     def _make_root_pre(self, root_slot: int):
-        # A root compiled in place (module.compile()) runs its hooks inside the compiled frame:
-        # the bookkeeping runs there as a call Dynamo does not trace (a graph break at the
-        # forward's start and end, once a call; traced, it would recompile on every new
-        # micro-batch number)
-        eager = torch._dynamo.disable(self.root_pre, recursive=True)
+        # (compiled in place, untraced: traced, it would recompile on every new micro-batch number)
+        work = untraced(self.root_pre)
 
         def root_pre(module, args, kwargs):
-            (eager if torch.compiler.is_compiling() else self.root_pre)(root_slot, args, kwargs)
+            work(root_slot, args, kwargs)
             return None
 
         return root_pre
@@ -276,11 +273,10 @@ class Detector:
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def _root_post(self, module, args, kwargs, output):
-        # (compiled in place: a call Dynamo does not trace, as the root's pre-hook makes)
-        (self._eager_root_end if torch.compiler.is_compiling() else self._root_end)(output)
+        self._root_end(output)
         return None
 
-    def _root_end(self, output: Any) -> None:
+    def _end_of_root(self, output: Any) -> None:
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():

@@ -21,7 +21,8 @@ from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
-from ..rank.modules import MORE_MODELS, NON_PERSISTENT, STEP_PART, is_wrapper, non_persistent_buffers, plain_names, type_name, unwrap
+from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, STEP_PART, is_wrapper, non_persistent_buffers, plain_names,
+                            type_name, untraced, unwrap)
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -321,8 +322,10 @@ class Replay(StepObserver):
         return tuple(batch["args"]), dict(batch["kwargs"])
 
     def _install(self, root: nn.Module, param_names: dict[int, str], back: torch.device | None) -> None:
+        work = untraced(self._feed)  # (compiled in place: untraced)
+
         def feed(module, args, kwargs):
-            return self._feed(module, args, kwargs)
+            return work(module, args, kwargs)
 
         # first, so that the guard's own pre-hook sees (and checks) the captured batch
         self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))

@@ -25,7 +25,7 @@ from torch import nn
 from .._tree import floating_tensors, map_tensors
 from ..incident import rng_restore
 from ..rank import forensics
-from ..rank.modules import plain_names
+from ..rank.modules import plain_names, untraced
 from .quiet import quiet, restore_buffers, saved_buffers
 
 MAX_RUNS = 64  # runs of the model per rank: 2 bad samples of 4096 take about 50
@@ -171,7 +171,7 @@ def _check(bad: list[str]):
         if not bad and not all(forensics.is_finite(t) for t in floating_tensors(output)):
             bad.append("bad")
 
-    return hook
+    return untraced(hook)  # (a model compiled in place runs it inside its frame: reads are not traced)
 
 
 def search(model: nn.Module, batches: list[Any], rng: Any, *, key: str | None, skipped: set[str],

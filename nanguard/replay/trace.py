@@ -13,7 +13,7 @@ from torch import nn
 
 from .._tree import floating_tensors
 from ..rank import forensics
-from ..rank.modules import plain_names
+from ..rank.modules import plain_names, untraced
 
 _TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 
@@ -36,7 +36,7 @@ class Trace:
         for module, name in plain_names(root).items():
             if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
                 traced.add(name)
-                handles.append(module.register_forward_hook(self._forward_hook(name)))
+                handles.append(module.register_forward_hook(untraced(self._forward_hook(name))))
         for param in root.parameters():
             if param.requires_grad:
                 handles.append(param.register_post_accumulate_grad_hook(

@@ -387,11 +387,15 @@ class Rotary(nn.Module):
         return x * self.freq
 
 
-def faulted_script(model: nn.Module, fault, fault_at: int, resume_at: int | None = None, micro_batches: int = 1):
+def faulted_script(model: nn.Module, fault, fault_at: int, resume_at: int | None = None, micro_batches: int = 1,
+                   compiled: bool = False):
     """Train ``model`` (SGD) for up to 4 steps, ``fault()`` before loop step ``fault_at`` (before its
-    last micro-batch): its NonFiniteError, or None. ``resume_at``: a checkpoint's global step, loaded first."""
+    last micro-batch): its NonFiniteError, or None. ``resume_at``: a checkpoint's global step, loaded
+    first; ``compiled``: the model is compiled in place once guarded."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanguard.init(model, optimizer) as guard:
+        if compiled:
+            model.compile(backend="aot_eager")
         if resume_at is not None:
             guard.load_state_dict({"step": resume_at})
         for step in range(4):
@@ -559,3 +563,25 @@ def test_a_model_the_script_did_not_keep_is_told_at_the_capture_and_the_replay(m
     monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
     with pytest.raises(IncidentError, match="holds no model state: the model given to nanguard.init was gone"):
         unkept_script(fault=False)
+
+
+def test_a_model_compiled_in_place_replays(monkeypatch):
+    # model.compile() runs the replay's hooks inside the compiled frame too: traced, the batch's
+    # feed crashed there (fuzz8 #8)
+    def script(fault_at: int):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        return faulted_script(model, lambda: model[1].weight.__setitem__((0, 0), math.nan), fault_at, compiled=True)
+
+    try:
+        err = script(fault_at=2)
+        assert err.event.layer == "1" and err.event.step == 2
+        monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+        with pytest.raises(SystemExit) as exit_info:
+            script(fault_at=-1)
+    finally:
+        torch._dynamo.reset()
+    assert exit_info.value.code == 0
+    report = read_incident(err.incident).replay_report()
+    assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "1", report["message"]
