@@ -40,15 +40,15 @@ class BackwardWatch:
         if param.requires_grad:
             self._params.append(weakref.ref(param))
 
-    def watch_collectives(self, root: nn.Module, modules: list[nn.Module]) -> None:
-        """Watch what sums the gradients across ranks in ``root`` (its ``modules``, itself among
-        them): DDP's buckets, or FSDP2's reduce-scatters when the root is ``fully_shard``-ed
-        (then every parameter is sharded, and each gradient goes through one)."""
-        for module in modules:
+    def watch_collectives(self, root: nn.Module, names: dict[nn.Module, str]) -> None:
+        """Watch what sums the gradients across ranks in ``root`` (its modules by qualified name,
+        itself among them): DDP's buckets, or FSDP2's reduce-scatters when the root is
+        ``fully_shard``-ed (then every parameter is sharded, and each gradient goes through one)."""
+        for module in names:
             if type(module).__name__ == "DistributedDataParallel":
                 self.watch_ddp(module)
         if hasattr(root, "set_custom_reduce_scatter"):
-            self.watch_fsdp([m for m in modules if hasattr(m, "set_custom_reduce_scatter")])
+            self.watch_fsdp({m: name for m, name in names.items() if hasattr(m, "set_custom_reduce_scatter")})
 
     def watch_ddp(self, ddp: nn.Module) -> None:
         """Probe each DDP gradient bucket *before* its all-reduce, so that a rank can tell a
@@ -81,22 +81,27 @@ class BackwardWatch:
         ddp.register_comm_hook = register_comm_hook
         self.watches_buckets = True
 
-    def watch_fsdp(self, modules: list[nn.Module]) -> None:
-        """Probe each FSDP2 reduce-scatter's input (this rank's own gradients, before they are
-        summed across ranks), as DDP's buckets are: ``modules`` are every ``fully_shard``-ed
-        module of a model whose root is one. Through ``set_custom_reduce_scatter``, with the
-        default reduce-scatter; a model where any of them has another (its own, or several
-        parameter groups) is not watched at all, and its reports say so."""
+    def watch_fsdp(self, modules: dict[nn.Module, str]) -> None:
+        """Probe each FSDP2 reduce-scatter's input (this rank's own gradients of one
+        ``fully_shard``-ed module, before they are summed across ranks), as DDP's buckets are,
+        with the module's name: ``modules`` are every such module of a model whose root is one,
+        by name. Through ``set_custom_reduce_scatter``, with the default reduce-scatter; a model
+        where any of them has another (its own, or several parameter groups) is not watched at
+        all, and its reports say so."""
         try:
             from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
         except ImportError:
             return
-        buckets, watch = self.log.buckets, self
+        log, watch = self.log, self
 
         class Watched(DefaultReduceScatter):
+            def __init__(self, name: str):
+                self.name = name
+
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
                 if watch.attached() and input_tensor.numel():
-                    buckets.extend(probe(input_tensor))
+                    log.buckets.extend(probe(input_tensor))
+                    log.bucket_groups.append(self.name)
                     watch._queue_end()
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
@@ -104,9 +109,9 @@ class BackwardWatch:
             if not all(len(groups := m._get_fsdp_state()._fsdp_param_groups) <= 1 and all(
                     type(g._reduce_scatter_comm) is DefaultReduceScatter for g in groups) for m in modules):
                 return
-            for module in modules:
+            for module, name in modules.items():
                 if module._get_fsdp_state()._fsdp_param_groups:
-                    module.set_custom_reduce_scatter(Watched())
+                    module.set_custom_reduce_scatter(Watched(name))
         except (AttributeError, ValueError, RuntimeError):
             return  # another torch's FSDP2: its gradients are not watched
         self.watches_buckets = True

@@ -94,11 +94,13 @@ class Reading:
     evidence: list[float]
     """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
     local_grads_bad: bool | None
+    """this rank's own gradients were bad before their sum across ranks (None: not watched)"""
     buffers: list[float] = ()
     """minimum and maximum of the buffers the step wrote, by dtype (``Buffers.probes``)"""
     extras: list[float] = ()
     """values read along for the flight recorder (the GradScaler's scale)"""
-    """this rank's own gradient buckets were bad before DDP's all-reduce (None: not watched)"""
+    buckets: list[float] = ()
+    """minimum and maximum of every probe of the gradients before their sum across ranks"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
@@ -138,7 +140,7 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     return Reading(bad, stop, probe_slots.in_order(values[:len(probes)]), values[len(probes):split],
                    evidence_slots.in_order(values[faults:tail]),
                    not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
-                   values[end:faults], values[tail:])
+                   values[end:faults], values[tail:], values[split:end])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:

@@ -148,7 +148,7 @@ class Detector:
             hook = forward_hook(self, slot, mode, leaf, named=module is root, untouched=isinstance(
                 module, nn.modules.dropout._DropoutNd) and not module.inplace)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        self.backward.watch_collectives(root, list(names))
+        self.backward.watch_collectives(root, {m: f"{prefix}.{n}".strip(".") if prefix else n for m, n in names.items()})
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))

@@ -77,6 +77,9 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     if fields is not None:
         return Finding(make(fields))
     fields = gradient_fields(catalog, log, owners, grads, reading.norms)
+    group = _first_bad_group(log, reading.buckets)
+    if group is not None:  # FSDP2: where this rank's own gradients were bad, whatever its shards hold
+        fields = _group_fields(catalog, log, group, fields, owners, reading.norms)
     if fields is None:
         return None
     local_grads_bad = reading.local_grads_bad
@@ -402,6 +405,48 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                                     " is not known here: it was born in that backward pass, or came in with"
                                     " the loss's gradient"}
     return fields | {"message": f"{counted}, this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"}
+
+
+def _first_bad_group(log: StepLog, buckets: list[float]) -> tuple[str, bool] | None:
+    """(the ``fully_shard``-ed module, held NaN) of the first FSDP2 reduce-scatter of the step,
+    in backward order, whose input (this rank's own gradients) was non-finite; None if none was
+    or the model is not FSDP2's."""
+    for k, name in enumerate(log.bucket_groups):
+        low, high = buckets[2 * k:2 * k + 2]
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return name, math.isnan(low) or math.isnan(high)
+    return None
+
+
+def _group_fields(catalog: Catalog, log: StepLog, group: tuple[str, bool], fields: dict[str, Any] | None,
+                  owners: list[torch.Tensor], norms: list[float]) -> dict[str, Any] | None:
+    """The gradient event of an FSDP2 rank whose own gradients of module ``group`` were bad before
+    the reduce-scatter: ``fields`` when its first bad shard is that module's (or the loss's), else
+    that module's first parameter in backward order, named as one of them: the bad values went to
+    other ranks' shards, and which of its parameters held them is not known here."""
+    name, nan = group
+    groups = sorted(set(log.bucket_groups), key=len, reverse=True)
+
+    def group_of(param: str) -> str:
+        return next((g for g in groups if not g or param.startswith(g + ".")), "")
+
+    if fields is not None and (fields["kind"] == "loss" or group_of(fields["layer"]) == name):
+        return fields
+    order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
+    members = sorted((p for p in owners if group_of(catalog.param_name(p)) == name),
+                     key=lambda p: order.get(catalog.param_owner.get(id(p), -1), len(order)))
+    if not members:
+        return fields
+    slot = catalog.param_owner.get(id(members[0]))
+    names = [catalog.param_name(p) for p in members]
+    where = (f"this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"
+             if slot in order else "where in the backward pass is not known (its module ran no forward in this step)")
+    return {"kind": "grad", "layer": names[0], "module_type": catalog.slots[slot].module_type if slot is not None else "",
+            "has_nan": nan, "extra": {"bad_params": names[:16]},
+            "message": f"this rank's own gradients of {name or 'the root module'} (fully_shard-ed: {', '.join(names[:4])}"
+                       f"{' ...' if len(names) > 4 else ''}) were non-finite before FSDP's reduce-scatter, the first"
+                       " module's to be; this rank's shards of them are finite (the bad values went to other ranks'"
+                       f" shards), so which of its parameters is not known here: {where}"}
 
 
 def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Tensor], norms: list[float],

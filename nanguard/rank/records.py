@@ -280,6 +280,8 @@ class StepLog:
     """(first probe index, root slot, micro-batch) of every root forward"""
     buckets: list[torch.Tensor] = field(default_factory=list)
     """probes of the gradients before they are summed across ranks (DDP buckets, FSDP2 reduce-scatters)"""
+    bucket_groups: list[str] = field(default_factory=list)
+    """for FSDP2, the ``fully_shard``-ed module whose gradients each of ``buckets``' pairs probed"""
     batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]] = field(default_factory=list)
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
@@ -301,7 +303,8 @@ class StepLog:
     these moved (a buffer first written in this step, or changed between its micro-batches)"""
 
     def clear(self) -> None:
-        for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.batches):
+        for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.bucket_groups,
+                     self.batches):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

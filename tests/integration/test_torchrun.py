@@ -189,6 +189,8 @@ def test_fsdp2_forward_nan_stops_every_rank_before_the_update(torchrun):
 @pytest.mark.parametrize("fault, kind, rank, layer, said", [
     # every rank sees the NaN after the reduce-scatter; each one's input to it tells them apart
     ("backward", "grad", 1, "blocks.1.fc.weight", "without parameters: blocks.1.fault (Fault)"),
+    # one NaN, which the reduce-scatter puts in rank 0's shard: rank 1's own gradients still tell
+    ("backward-one", "grad", 1, "blocks.1.fc.weight", "this rank's own gradients of blocks.1 (fully_shard-ed"),
     # the all-gather gives every rank the NaN weight: the rank whose shard holds it names it
     ("weight", "forward", 1, "blocks.1.fc", "parameter(s) weight are non-finite"),
     # a team's own reduce-scatter is left alone: which rank made it cannot be told, and is not

@@ -25,7 +25,7 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward", "kill", "weight")
+FAULTS = ("none", "forward", "input", "backward", "backward-one", "kill", "weight")
 
 
 # --------------------------------------------------------------------------- faults
@@ -41,6 +41,17 @@ class _NaNGrad(torch.autograd.Function):
         return grad * float("nan")
 
 
+class _OneNaNGrad(_NaNGrad):
+    """The backward makes one NaN, in the gradient's first element: under FSDP2 it lands in
+    rank 0's shard of the module's weight, whichever rank made it."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+
 class Fault(nn.Module):
     """A parameter-free leaf module that misbehaves only while ``mode`` is set."""
 
@@ -53,6 +64,8 @@ class Fault(nn.Module):
             return torch.log(-1.0 - x.abs())  # log of a negative number: NaN
         if self.mode == "backward":
             return _NaNGrad.apply(x)
+        if self.mode == "backward-one":
+            return _OneNaNGrad.apply(x)
         return x
 
 
@@ -216,7 +229,7 @@ def run(args: argparse.Namespace, wrap) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit and args.fault == "input":
                     x[0, 0] = float("nan")
-                fault_module.mode = args.fault if hit and args.fault in ("forward", "backward") else None
+                fault_module.mode = args.fault if hit and args.fault.startswith(("forward", "backward")) else None
                 last = micro == args.accum - 1
                 with contextlib.nullcontext() if last else no_sync():
                     loss = nn.functional.cross_entropy(model(x), y) / args.accum
