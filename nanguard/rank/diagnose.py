@@ -395,9 +395,11 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
         return fields | {
             "kind": "loss", "layer": "loss", "module_type": "",
             "message": f"the forward was finite but {counted}, starting with {names[0]}, the first"
-                       " in backward order: the gradient entering the model's backward was already"
-                       " non-finite, so most likely the loss (or code between the model and the"
-                       " loss) made it; guard.check(loss) shows the loss's value"}
+                       " in backward order: either the gradient entering the model's backward pass was"
+                       " non-finite, most likely made by the loss (or code between the model and the"
+                       " loss; guard.check(loss) shows the loss's value), or the backward of"
+                       f" {catalog.slots[slot].name or 'the model'} itself made it (a custom autograd"
+                       " Function there, say; a replay's operation check tells the two apart)"}
     if slot not in order:
         return fields | {"message": f"{counted}; the forward of its module did not run in this step (since the"
                                     " last optimizer step): its output was made earlier and used again, as a"
@@ -454,8 +456,8 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
     """Where in the backward pass the first bad gradient (of ``slot``, in backward ``order``) was
     born: after the gradients of the module made just before it, when those were produced by this
     backward and finite, and through what ran between the two in the forward. When no module
-    after it in the forward left a gradient to check (no trainable parameters, or frozen), the
-    gradient may as well have come in with the loss's."""
+    after it in the forward left a gradient checked at this step (no trainable parameters, frozen,
+    another optimizer's), the gradient may as well have come in with the loss's."""
     finite: dict[int, bool] = {}
     for param, norm in zip(owners, norms):
         owner = catalog.param_owner.get(id(param))
@@ -469,9 +471,9 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
     ran = ", ".join(f"{info.name} ({info.module_type})" for info in between[:most])
     if after is None:
         return ("the forward was finite, but no module that ran after it in the forward left a gradient"
-                f" to check (no trainable parameters, or frozen{': ' + ran if ran else ''}), so it was born"
-                " in their backward pass or came in with the loss's gradient; guard.check(loss) shows the"
-                " loss's value")
+                " checked at this step (no trainable parameters, frozen, or another optimizer's"
+                f"{': ' + ran if ran else ''}), so it was born in their backward pass or in its own"
+                " module's, or came in with the loss's gradient; guard.check(loss) shows the loss's value")
     text = ("the forward and the gradients of the modules that ran after it were finite, so it was born in"
             " the backward pass")
     if finite[after]:

@@ -121,7 +121,7 @@ def test_a_gradient_after_a_last_module_without_parameters_names_it_and_the_loss
             optimizer.step()
     event = guard.events[0]
     assert event.kind == "grad" and event.layer == "2.weight", event
-    assert "no module that ran after it in the forward left a gradient to check" in event.message
+    assert "no module that ran after it in the forward left a gradient checked at this step" in event.message
     assert "3 (GradFault)" in event.message and "the loss's gradient" in event.message, event.message
     assert "born in the backward pass" not in event.message
 

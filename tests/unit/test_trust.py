@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_guard import GradFault
+from test_guard import GradFault, NanBackward
 from torch import nn
 
 import nanguard
@@ -1065,3 +1065,28 @@ def test_a_block_that_makes_its_own_inf_is_not_blamed_on_the_mask_it_took():
         (event,) = guard.events
     assert event.layer == "blocks.1" and event.input_nonfinite is True, event.message
     assert "its parameter(s) gamma are non-finite" in event.message and "held infinities" in event.message
+
+
+class LastLayerFault(nn.Linear):
+    """The model's last layer, whose own backward makes NaN (a custom Function inside it)."""
+
+    armed = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return NanBackward.apply(y) if self.armed else y
+
+
+def test_a_nan_born_in_the_last_modules_own_backward_is_not_asserted_to_come_from_the_loss():
+    # the gradient entering the model's backward is finite; the first bad gradients are the last
+    # layer's own: the loss is the likelier source, not a fact, and the layer's backward is named
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), LastLayerFault(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        model[2].armed = True
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    event = guard.events[0]
+    assert event.kind == "loss" and "or the backward of 2 itself made it" in event.message, event.message
+    assert "was already non-finite, so most likely" not in event.message
