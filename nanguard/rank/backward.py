@@ -36,6 +36,10 @@ class BackwardWatch:
         """every trainable parameter of the attached roots (weakly: a guard keeps no model alive)"""
         self._queued = False
 
+    def params(self) -> list[torch.Tensor]:
+        """The trainable parameters of the attached roots that are still alive."""
+        return [p for ref in self._params if (p := ref()) is not None]
+
     def add_parameter(self, param: torch.Tensor) -> None:
         if param.requires_grad:
             self._params.append(weakref.ref(param))
@@ -148,7 +152,7 @@ class BackwardWatch:
         self._queued = False
         if not self.attached() or not self.snapshot_gradients:
             return
-        self.log.produced = gradient_norms([p for ref in self._params if (p := ref()) is not None])
+        self.log.produced = gradient_norms(self.params())
 
 
 def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -178,6 +178,8 @@ class Decider:
         self.observer = observer
         self._early: diagnose.Finding | None = None
         """a bad step found by settle_early(), waiting for the next decision"""
+        self._bad_at: int | None = None
+        """the index of the last step found bad (its other optimizers' steps are that step's)"""
 
     def settle_early(self) -> None:
         """Too many probes without a step (a long eval loop): read them now, locally."""
@@ -217,23 +219,20 @@ class Decider:
             return
         loss_at = detector.log.loss_at
         loss = reading.probes[loss_at] if loss_at is not None else None
+        if reading.bad and self.clock.part and self._bad_at == self.clock.index:
+            # another optimizer of a step already found bad (the same on every rank): the policy
+            # again, not a second report of what that step's first decision reported
+            detector.reset()
+            self.respond.again(optimizer)
+            self._report_step(reading.stop)
+            return
         if reading.bad:
-            grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
-            local = self._take_early() if self._early is not None else self._diagnose(
-                reading, owners, grads, written)
-            first = agree(collectives, local)
+            first = self._agreed(reading, owners, written, collectives)
             if first is not None:
-                if local is not None and first.event.rank != local.event.rank:
-                    # what this rank saw, beside the job's first event
-                    if first.position is not None and local.position is not None and first.position < local.position:
-                        local.event.message = "; ".join(filter(None, (local.event.message, (
-                            f"rank {first.event.rank} saw a non-finite value earlier in this step, in"
-                            f" {first.event.layer or 'its model'}: it may have come here through a collective"
-                            " inside the model (a synchronised norm)"))))
-                    self.respond.note(local, self.settings.on_nan)
                 # in the flight recorder before a capture writes it
                 self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
                                         owners=owners, optimizer=optimizer, clean=False)
+                self._bad_at = self.clock.index
                 try:
                     self._respond_to(first, optimizer, together=collectives is not None)
                 finally:
@@ -247,6 +246,22 @@ class Decider:
         self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
                                 owners=owners, optimizer=optimizer, clean=True)
         self._clean(reading.stop)
+
+    def _agreed(self, reading: Reading, owners: list[torch.Tensor], written: list,
+                collectives: Collectives | None) -> Finding | None:
+        """The job's first finding of a bad step: this rank's diagnosis, agreed on by every rank;
+        this rank's own, when another rank's is the job's, is noted beside it."""
+        grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
+        local = self._take_early() if self._early is not None else self._diagnose(reading, owners, grads, written)
+        first = agree(collectives, local)
+        if first is not None and local is not None and first.event.rank != local.event.rank:
+            if first.position is not None and local.position is not None and first.position < local.position:
+                local.event.message = "; ".join(filter(None, (local.event.message, (
+                    f"rank {first.event.rank} saw a non-finite value earlier in this step, in"
+                    f" {first.event.layer or 'its model'}: it may have come here through a collective"
+                    " inside the model (a synchronised norm)"))))
+            self.respond.note(local, self.settings.on_nan)
+        return first
 
     def _diagnose(self, reading: Reading, *gradients_and_buffers) -> Finding | None:
         """``diagnose.first_bad``; should it fail, a finding that says so: the step is still bad,

@@ -152,6 +152,8 @@ class Detector:
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))
+        if type(root).forward is nn.Module.forward:  # a ModuleDict of a GAN: the script calls its children
+            self._handles += [child.register_forward_pre_hook(_step_start(self)) for child in root.children()]
         self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
         return root_slot
 
@@ -253,11 +255,8 @@ class Detector:
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
         log = self.log
-        if not log.spans:
-            self.buffers.step_started()
-            log.buffers_at_start, log.buffer_versions = self.buffers.kept, self.buffers.versions
-            if self.on_step_start is not None:
-                self.on_step_start()
+        if not log.started:
+            self.step_starts()
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
@@ -271,6 +270,15 @@ class Detector:
                 args, kwargs = held, held_kwargs
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
+
+    def step_starts(self) -> None:
+        """The step's first forward begins: its buffers are kept, and ``on_step_start`` told."""
+        log = self.log
+        log.started = True
+        self.buffers.step_started()
+        log.buffers_at_start, log.buffer_versions = self.buffers.kept, self.buffers.versions
+        if self.on_step_start is not None:
+            self.on_step_start()
 
     def _root_post(self, module, args, kwargs, output):
         self._root_end(output)
@@ -341,6 +349,17 @@ class Detector:
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The floating tensors a call was given, positional then keyword."""
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+
+
+def _step_start(detector: Detector):
+    """A pre-hook for the children of a root that has no forward (a ``ModuleDict``): the first
+    of them to run starts the step, as the root's own forward would."""
+    @untraced
+    def hook(module, args):
+        if not detector.log.started:
+            detector.step_starts()
+
+    return hook
 
 
 def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bool = False,

@@ -72,6 +72,7 @@ class Guard:
                                   self._detector.catalog.param_name, self._detector.buffers)
         self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)
         self._respond.step_part = lambda: self._clock.part
+        self._respond.guarded_params = self._detector.backward.params
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
         if settings.disable:

@@ -295,6 +295,8 @@ class StepLog:
     evidence_slots: Slots = field(default_factory=Slots)
     calls: int = 0
     """module calls of the step that have returned (their forward hooks)"""
+    started: bool = False
+    """the step's first forward began (``Detector.step_starts``)"""
     buffers_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
     """copies of the buffers the step may write, as they were when it began, by qualified name
     (``Buffers.kept``)"""
@@ -310,6 +312,7 @@ class StepLog:
         self.evidence_slots.clear()
         self.produced = self.loss_at = None
         self.calls = 0
+        self.started = False
         self.buffers_at_start, self.buffer_versions = {}, {}
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:

@@ -69,6 +69,8 @@ class Responder:
         """whether a model given to the guard has been freed (set by the guard)"""
         self.step_part: Callable[[], int] = lambda: 0
         """how many optimizer steps of the step came before the one stopped (set by the guard)"""
+        self.guarded_params: Callable[[], list[torch.Tensor]] = lambda: []
+        """the trainable parameters of the guarded models (set by the guard)"""
         self.step_inputs = step_inputs
         self.buffers = buffers
         self.param_name = param_name
@@ -110,8 +112,7 @@ class Responder:
         if wanted and (together or not group.active):
             self._capture(event, optimizer)
         if policy == "skip" and optimizer is not None:
-            for param in params(optimizer):
-                param.grad = None  # the optimizer leaves parameters without gradients untouched
+            self._drop(optimizer)
             self.skipped_steps += 1
         if policy == "raise":
             error = NonFiniteError(f"{event}; {action}", event, self.incident)
@@ -119,6 +120,21 @@ class Responder:
             if self.on_stop is not None:
                 self.on_stop(error)
             raise error
+
+    def again(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Another optimizer steps in a step already found bad and acted on (a GAN's generator
+        after its critic's step was skipped): with ``skip`` its update is dropped too, and what
+        its forward wrote put back; no new report."""
+        if self.settings.on_nan == "skip":
+            self._restore_buffers()
+            if optimizer is not None:
+                self._drop(optimizer)
+
+    def _drop(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's updates do not happen: its optimizer's, and those of every other optimizer of
+        the guarded models (their gradients come from the same bad step)."""
+        for param in (*params(optimizer), *self.guarded_params()):
+            param.grad = None  # an optimizer leaves parameters without gradients untouched
 
     def stop(self, step: int) -> None:
         """A stop was requested (here, or on another rank): raise it, before the update."""

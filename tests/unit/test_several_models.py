@@ -315,3 +315,47 @@ def test_fsdp2_on_one_rank_claims_nothing_of_other_ranks(tmp_path, own_comm):
     assert event.kind == "grad" and event.layer == "0.weight", event
     assert "born in the backward pass between the gradients of 2 (finite) and this one" in event.message
     assert "rank" not in event.message, event.message
+
+
+def two_part_model():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    head = nn.Linear(1, 1)
+    return net, head, torch.optim.SGD(net.parameters(), lr=0.01), torch.optim.SGD(head.parameters(), lr=0.01)
+
+
+def test_a_container_whose_children_the_script_calls_keeps_and_checks_their_buffers():
+    # init(nn.ModuleDict(...)): its own forward never runs, so the first child to run starts the step
+    net, head, opt1, opt2 = two_part_model()
+    models = nn.ModuleDict({"net": net, "head": head})
+    with nanguard.init(models, [opt1, opt2]):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                if step == 2:
+                    with torch.no_grad():
+                        net[1].running_var[0] = math.nan  # as a corrupt checkpoint would leave it
+                head(net(torch.randn(8, 4))).pow(2).mean().backward()
+                opt1.step(), opt2.step()
+                opt1.zero_grad(), opt2.zero_grad()
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("buffer", "net.1.running_var", 2), event
+
+
+@pytest.mark.parametrize("container", [True, False])
+def test_a_skipped_step_drops_every_optimizers_update_and_is_reported_once(container, caplog):
+    net, head, opt1, opt2 = two_part_model()
+    model = nn.ModuleDict({"net": net, "head": head}) if container else nn.Sequential(net, head)
+    with nanguard.init(model, [opt1, opt2], on_nan="skip") as guard:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = math.nan  # BatchNorm's statistics and every gradient go NaN in this step
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+            (head(net(x)) if container else model(x)).pow(2).mean().backward()
+            opt1.step(), opt2.step()
+            opt1.zero_grad(), opt2.zero_grad()
+            if step == 2:  # neither update happened, and the statistics were put back
+                assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        events = guard.events
+    assert guard.skipped_steps == 1 and [e.step for e in events] == [2], events
+    assert "first written in this step" not in caplog.text
