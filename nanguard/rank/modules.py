@@ -58,6 +58,8 @@ NON_PERSISTENT = "non_persistent_buffers"
 STEP_PART = "optimizer_steps_before"
 """the name they keep, when not 0, how many optimizer steps of the stopped step came before the
 one stopped (a GAN's critic's, before its generator's): the state is from after them"""
+OPTIMIZER_PARAMS = "optimizer_params"
+"""the name they keep the names of the captured optimizer's parameters under, in its order"""
 MORE_MODELS = "more_models"
 """the name they keep a bare init()'s other models under (its roots after the first), by the
 prefix of their names: {prefix: {"model": state_dict, NON_PERSISTENT: {name: tensor}}}"""

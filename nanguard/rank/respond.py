@@ -29,7 +29,7 @@ from .fed import as_fed
 from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
-from .modules import MORE_MODELS, NON_PERSISTENT, STEP_PART, non_persistent_buffers, sharding, unwrap
+from .modules import MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, non_persistent_buffers, sharding, unwrap
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -213,6 +213,8 @@ class Responder:
                 extra[NON_PERSISTENT] = unpersisted
             if part:  # the state is from after those steps: a replay from the step's start cannot run
                 extra[STEP_PART] = part
+            if optimizer is not None:  # which of the script's optimizers a replay loads it into
+                extra[OPTIMIZER_PARAMS] = [self.param_name(p) for p in params(optimizer)]
             if len(models) > 1:  # a bare init()'s other roots: a GAN's critic, an EMA teacher
                 extra[MORE_MODELS] = {name: {"model": unwrap(other).state_dict(),
                                              NON_PERSISTENT: non_persistent_buffers(unwrap(other))}

@@ -21,8 +21,8 @@ from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
-from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, STEP_PART, is_wrapper, non_persistent_buffers, plain_names,
-                            type_name, untraced, unwrap)
+from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, is_wrapper,
+                            non_persistent_buffers, plain_names, type_name, untraced, unwrap)
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -99,6 +99,39 @@ def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str) -> bo
     return True
 
 
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extra: Any, names: dict[int, str],
+                   path: str) -> str | None:
+    """Load an incident's optimizer state into ``optimizer`` when it holds the parameters the
+    captured one held (by their ``names``; an incident from before they were kept: any); else a
+    note of why not. IncidentError, nothing loaded, when it holds them but the state does not fit."""
+    held = _optimizer_params(extra, path)
+    have = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
+    if held is not None and held != have:
+        return (f"the incident's optimizer state (of {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}) was"
+                f" not loaded into the script's {type(optimizer).__name__}, which steps first here and holds"
+                " other parameters: the script's own state was used")
+    if len(saved.get("param_groups", ())) != len(optimizer.param_groups):
+        raise IncidentError(path, f"holds an optimizer state with {len(saved['param_groups'])} parameter group(s);"
+                                  f" the script's {type(optimizer).__name__} has {len(optimizer.param_groups)};"
+                                  " nothing was loaded")
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise IncidentError(path, f"its optimizer state does not fit the script's {type(optimizer).__name__}"
+                                  f" ({exc})") from exc
+    return None
+
+
+def _optimizer_params(extra: Any, path: str) -> list[str] | None:
+    """The names of the captured optimizer's parameters (``OPTIMIZER_PARAMS``), or None for an
+    incident from before they were kept; IncidentError for anything but a list of names."""
+    held = extra.get(OPTIMIZER_PARAMS) if isinstance(extra, dict) else None
+    if held is not None and not (isinstance(held, list) and all(isinstance(n, str) for n in held)):
+        raise IncidentError(path, f"holds {OPTIMIZER_PARAMS} that are not a list of names; the incident folder"
+                                  " is damaged or was not written by nanguard, and cannot be replayed")
+    return held
+
+
 def _refuse_a_later_optimizer(extra: Any, path: str) -> None:
     """IncidentError when the incident was stopped at an optimizer that stepped after another in
     the same step (``STEP_PART``): its state is from after that other's update, which a replay,
@@ -172,6 +205,7 @@ class Replay(StepObserver):
         self._skipped: set[str] = set()
         self._model_loaded = False
         self._optimizers_loaded = False
+        self._names: dict[int, str] = {}
         self._handles: list[Any] = []
         if not incident.manifest["capture_batch"]:
             self.notes.append("the batch was not captured (capture_batch=False): the replay used the"
@@ -249,27 +283,17 @@ class Replay(StepObserver):
         """Loads the optimizer state into the first optimizer to step (the one whose step an
         incident stopped and saved: ``StepClock``), and the scaler's and scheduler's given to ``init``."""
         saved = self.state.get("optimizer")
-        if optimizers and not self._optimizers_loaded:
-            self._optimizers_loaded = True
-            if saved is not None:
-                self._load_optimizer(optimizers[0], saved)
+        if optimizers and not self._optimizers_loaded and saved is not None:
+            note = load_optimizer(optimizers[0], saved, self.state.get("extra"), self._names, self._state_path)
+            self._optimizers_loaded = note is None
+            if note is not None and note not in self.notes:
+                self.notes.append(note)
         extra = self.state.get("extra") or {}
         for name, obj in states.items():  # (never NON_PERSISTENT: init's states are its scaler and such)
             if name in extra:
                 obj.load_state_dict(extra[name])
             else:
                 self.notes.append(f"no {name} state was captured; the script's own {name} was used")
-
-    def _load_optimizer(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        if len(saved.get("param_groups", ())) != len(optimizer.param_groups):
-            raise IncidentError(self._state_path, f"holds an optimizer state with {len(saved['param_groups'])}"
-                                                  f" parameter group(s); the script's {type(optimizer).__name__}"
-                                                  f" has {len(optimizer.param_groups)}; nothing was loaded")
-        try:
-            optimizer.load_state_dict(saved)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise IncidentError(self._state_path, f"its optimizer state does not fit the script's "
-                                                  f"{type(optimizer).__name__} ({exc})") from exc
 
     @property
     def _state_path(self) -> str:
@@ -322,6 +346,7 @@ class Replay(StepObserver):
         return tuple(batch["args"]), dict(batch["kwargs"])
 
     def _install(self, root: nn.Module, param_names: dict[int, str], back: torch.device | None) -> None:
+        self._names = param_names  # (the guard's: every root's, as they are attached)
         work = untraced(self._feed)  # (compiled in place: untraced)
 
         def feed(module, args, kwargs):

@@ -359,3 +359,50 @@ def test_a_skipped_step_drops_every_optimizers_update_and_is_reported_once(conta
         events = guard.events
     assert guard.skipped_steps == 1 and [e.step for e in events] == [2], events
     assert "first written in this step" not in caplog.text
+
+
+def phase_two_script(fault: bool):
+    """Both optimizers step for 3 iterations, then only the head's (the body is frozen): the
+    incident of a phase-2 step holds the head's optimizer, which steps second in a replayed run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    body, head = torch.optim.SGD(model[0].parameters(), lr=0.01), torch.optim.Adam(model[2].parameters())
+    with nanguard.init(model, [body, head]):
+        for step in range(6):
+            if fault and step == 4:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if step < 3:
+                body.step()
+            head.step()
+            body.zero_grad(), head.zero_grad()
+
+
+def test_an_optimizer_state_is_loaded_only_into_the_optimizer_of_its_parameters(monkeypatch, incidents_in_tmp):
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        phase_two_script(fault=True)
+    state = read_incident(info.value.incident).rank_state(0)
+    assert state["extra"]["optimizer_params"] == ["2.weight", "2.bias"]
+    monkeypatch.setenv("NANGUARD_REPLAY", info.value.incident)
+    with pytest.raises(SystemExit):
+        phase_two_script(fault=False)  # the replay ends at the body's step, the first here
+    report = read_incident(info.value.incident).replay_report()
+    # the head's Adam state is not forced into the body's SGD (it was refused as "does not fit")
+    assert any("was not loaded into the script's SGD" in note for note in report["notes"]), report["notes"]
+    assert report["verdict"] == "reproducible", report["message"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.one_of(st.text(max_size=3), st.integers()),
+                                                                        max_size=3)))
+def test_the_names_of_any_incidents_optimizer_parameters_are_a_list_of_names_or_refused(held):
+    from nanguard.incident import IncidentError as Refused
+    from nanguard.replay.observer import _optimizer_params
+
+    fine = held is None or (isinstance(held, list) and all(isinstance(n, str) for n in held))
+    if fine:
+        assert _optimizer_params({"optimizer_params": held}, "state.pt") == held
+    else:
+        with pytest.raises(Refused, match="^state.pt: holds optimizer_params that are not a list of names"):
+            _optimizer_params({"optimizer_params": held}, "state.pt")
