@@ -125,12 +125,11 @@ class Detector:
 
     def attach(self, root: nn.Module, prefix: str = "") -> int:
         """Hook ``root`` and every module below it; returns the root's slot."""
-        names = plain_names(root)
+        names = plain_names(root, prefix)
         skipped: list[str] = []
-        for module, name in names.items():
+        for module, qualified in names.items():
             if module in self._modules:
                 continue
-            qualified = f"{prefix}.{name}".strip(".") if prefix else name
             slot = self._register(module, qualified)
             mode = mode_of(module, qualified, self._skip_types, self._skip_modules)
             if any(qualified == s or qualified.startswith(s + ".") for s in skipped):
@@ -148,7 +147,7 @@ class Detector:
             hook = forward_hook(self, slot, mode, leaf, named=module is root, untouched=isinstance(
                 module, nn.modules.dropout._DropoutNd) and not module.inplace)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        self.backward.watch_collectives(root, {m: f"{prefix}.{n}".strip(".") if prefix else n for m, n in names.items()})
+        self.backward.watch_collectives(root, names)
         root_slot = self._modules[root]
         self._handles.append(root.register_forward_pre_hook(
             self._make_root_pre(root_slot), with_kwargs=True))

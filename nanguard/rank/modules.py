@@ -22,8 +22,9 @@ def is_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ in _WRAPPERS
 
 
-def plain_names(root: nn.Module) -> dict[nn.Module, str]:
-    """Qualified names of every submodule, with wrapper attributes (DDP's ``module.``) left out."""
+def plain_names(root: nn.Module, prefix: str = "") -> dict[nn.Module, str]:
+    """Qualified names of every submodule, with wrapper attributes (DDP's ``module.``) left out,
+    after ``prefix`` (a bare init()'s roots after the first: ``Sequential#2``)."""
     names: dict[nn.Module, str] = {}
 
     def walk(module: nn.Module, prefix: str) -> None:
@@ -34,7 +35,7 @@ def plain_names(root: nn.Module) -> dict[nn.Module, str]:
         for child_name, child in module.named_children():
             walk(child, prefix if wrapper else f"{prefix}.{child_name}".lstrip("."))
 
-    walk(root, "")
+    walk(root, prefix)
     return names
 
 

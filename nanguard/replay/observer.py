@@ -198,8 +198,11 @@ class Replay(StepObserver):
         self._forwards = 0
         self.own_data = False
         """some of what the step was fed came from the script, not from the incident"""
-        self.ops = OpWatch(lambda: self._forwards - 1) if settings.replay_ops else None
-        self.trace = Trace(lambda: self._forwards - 1, self.ops.paused if self.ops is not None else
+        self._others: dict[str, int] = {}
+        """forwards so far of the models beside the first (a bare init()'s other roots), by prefix"""
+        micro_batch = lambda name: _forward_of(self._others, self._forwards, name)  # noqa: E731
+        self.ops = OpWatch(micro_batch) if settings.replay_ops else None
+        self.trace = Trace(micro_batch, self.ops.paused if self.ops is not None else
                            contextlib.nullcontext)
         self._root: nn.Module | None = None
         self._skipped: set[str] = set()
@@ -259,6 +262,12 @@ class Replay(StepObserver):
         self._install(root, param_names, back)
 
     def _load_other(self, root: nn.Module, prefix: str) -> None:
+        self._others[prefix] = 1  # found at its first call, which its hooks added now do not see
+        self._handles.append(root.register_forward_pre_hook(
+            untraced(lambda module, args: self._others.__setitem__(prefix, self._others[prefix] + 1))))
+        self._handles += self.trace.install(root, self._names, prefix)
+        if self.ops is not None:  # what runs in it is named by its module too
+            self._handles += self.ops.install(root, _skipped_names(root, self.settings, prefix), prefix)
         if not load_other_model(self.state.get("extra"), prefix, unwrap(root), self._state_path):
             self.notes.append(f"the incident holds no weights of {prefix}, a model the script runs beside the"
                               " first one: the script's own were used")
@@ -431,9 +440,16 @@ class Replay(StepObserver):
                 target.copy_(source)
 
 
-def _skipped_names(root: nn.Module, settings: Settings) -> set[str]:
+def _forward_of(others: dict[str, int], first: int, name: str | None) -> int:
+    """Which forward (0-based) of the model holding module or parameter ``name`` is running, or
+    ran last: one of the ``others`` (forwards so far, by prefix), else the first model (``first``)."""
+    other = next((p for p in others if name is not None and (name == p or name.startswith(p + "."))), None)
+    return (others[other] if other is not None else first) - 1
+
+
+def _skipped_names(root: nn.Module, settings: Settings, prefix: str = "") -> set[str]:
     """Names of the modules whose outputs may be non-finite on purpose, and of their children."""
-    names = plain_names(root)
+    names = plain_names(root, prefix)
     top = [name for module, name in names.items()
            if skipped(module, name, settings.skip_types, settings.skip_modules)]
     return {name for name in names.values() if any(name == s or name.startswith(s + ".") for s in top)}

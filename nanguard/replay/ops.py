@@ -84,9 +84,9 @@ def _finite(value: Any) -> bool:
 
 class OpWatch:
     """Watches every ATen operation between ``start()`` and ``stop()``; ``result()`` for the report.
-    ``micro_batch()`` says which forward of the model is running."""
+    ``micro_batch(module)`` says which forward of the model (of ``module``'s) is running."""
 
-    def __init__(self, micro_batch: Callable[[], int]):
+    def __init__(self, micro_batch: Callable[[str | None], int]):
         self.micro_batch = micro_batch
         self.records: dict[str, list[dict[str, Any]]] = {"forward": [], "backward": []}
         self.checked = 0
@@ -107,11 +107,12 @@ class OpWatch:
             self._paused = paused
 
     # ------------------------------------------------------------------ the modules
-    def install(self, root: nn.Module, skipped: set[str]) -> list[Any]:
-        """Hooks that keep the stack of running modules and tag the autograd nodes each one makes."""
-        self.skipped = set(skipped)
+    def install(self, root: nn.Module, skipped: set[str], prefix: str = "") -> list[Any]:
+        """Hooks that keep the stack of running modules (named after ``prefix``) and tag the
+        autograd nodes each one makes; ``skipped``: the names of those not judged."""
+        self.skipped |= skipped
         handles = []
-        for module, name in plain_names(root).items():
+        for module, name in plain_names(root, prefix).items():
             handles.append(module.register_forward_pre_hook(self._enter(name, type_name(module)),
                                                             with_kwargs=True))
             handles.append(module.register_forward_hook(self._leave(name), with_kwargs=True,
@@ -188,7 +189,7 @@ class OpWatch:
         if module is not None and module in self.skipped:
             return
         described = [d for d in (describe_input(n, v) for n, v in inputs[:_MAX_INPUTS]) if d is not None]
-        record = {"op": name, "phase": phase, "micro_batch": self.micro_batch(), "module": module,
+        record = {"op": name, "phase": phase, "micro_batch": self.micro_batch(module), "module": module,
                   "module_type": kind, "inputs": described, "why": why(name, described, bad.dtype),
                   "output": forensics.describe(bad)}
         if node is None:

@@ -19,21 +19,22 @@ _TRACE_LIMIT = 16  # records per trace list: the first ones are what matter
 
 
 class Trace:
-    """The first bad values of the step, forward and backward. ``micro_batch()`` says which
-    forward of the model is running; ``quiet()`` is the context its own checks run in (so that
-    the operation check does not judge them)."""
+    """The first bad values of the step, forward and backward. ``micro_batch(name)`` says which
+    forward of the model (of the one holding module or parameter ``name``) is running; ``quiet()``
+    is the context its own checks run in (so that the operation check does not judge them)."""
 
-    def __init__(self, micro_batch: Callable[[], int],
+    def __init__(self, micro_batch: Callable[[str | None], int],
                  quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.records: dict[str, list[dict[str, Any]]] = {"forward": [], "gradients": []}
         self.micro_batch = micro_batch
         self.quiet = quiet
 
-    def install(self, root: nn.Module, param_names: dict[int, str]) -> list[Any]:
-        """Hook every module of ``root`` and every trainable parameter; returns the handles."""
+    def install(self, root: nn.Module, param_names: dict[int, str], prefix: str = "") -> list[Any]:
+        """Hook every module of ``root`` (its names after ``prefix``) and every trainable parameter;
+        returns the handles."""
         handles = []
         traced = set()
-        for module, name in plain_names(root).items():
+        for module, name in plain_names(root, prefix).items():
             if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
                 traced.add(name)
                 handles.append(module.register_forward_hook(untraced(self._forward_hook(name))))
@@ -64,7 +65,7 @@ class Trace:
                 bad = next((t for t in outputs if not forensics.is_finite(t)), None)
                 if bad is not None and len(self.records["forward"]) < _TRACE_LIMIT:
                     self.record("forward", {
-                        "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(),
+                        "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(name),
                         "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors(args)),
                         "output": forensics.describe(bad)})
             if torch.is_grad_enabled():
@@ -80,7 +81,7 @@ class Trace:
             with self.quiet():
                 if len(self.records["gradients"]) < _TRACE_LIMIT and not forensics.is_finite(grad):
                     self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
-                                              "micro_batch": self.micro_batch(), **forensics.describe(grad)})
+                                              "micro_batch": self.micro_batch(name), **forensics.describe(grad)})
             return None
 
         return hook
@@ -91,7 +92,7 @@ class Trace:
                 if (len(self.records["gradients"]) < _TRACE_LIMIT and param.grad is not None
                         and not forensics.is_finite(param.grad)):
                     self.record("gradients", {"gradient_of": f"parameter {name}",
-                                              "micro_batch": self.micro_batch(),
+                                              "micro_batch": self.micro_batch(name),
                                               **forensics.describe(param.grad)})
 
         return hook

@@ -176,7 +176,7 @@ def test_nan_born_in_a_custom_autograd_backward(monkeypatch, capsys):
 
 
 def test_a_built_in_backward_names_its_node_and_the_forward_line():
-    watch = OpWatch(lambda: 0)
+    watch = OpWatch(lambda name: 0)
     model = nn.Sequential(nn.Linear(4, 4), Sqrtish())
     handles = watch.install(model, set())
     watch.start()
@@ -205,7 +205,7 @@ class Sqrtish(nn.Module):
 def test_what_the_operation_check_never_blames():
     """Non-finite inputs (a -inf mask), in-place updates of a finite tensor, nanguard's own
     bookkeeping, uninitialised memory and modules the settings skip are not where a value was made."""
-    watch = OpWatch(lambda: 0)
+    watch = OpWatch(lambda name: 0)
     masked = nn.Sequential(Masker())
     handles = watch.install(masked, {"0"})
     watch.start()

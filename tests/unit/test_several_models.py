@@ -130,15 +130,26 @@ GAN_SCRIPT = """
 import math, sys, torch, nanguard
 from torch import nn
 nanguard.init()                  # bare: the generator and the critic are found as two roots
+class Log(nn.Module):  # its forward makes NaN from finite values once its (persistent) switch is on
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("on", torch.zeros(()))
+
+    def forward(self, x):
+        return torch.log(-(x.abs() + 1.0)) if self.on > 0 else x
+
+
 torch.manual_seed(0)
 G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+D = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), Log())
 opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
 fault = sys.argv[1]
 for iteration in range(4):
     if iteration == 2 and fault == "critic weight":  # a corrupt critic, between iterations
         with torch.no_grad():
             D[2].weight[0, 0] = math.nan
+    if iteration == 2 and fault == "critic code":
+        D[3].on.fill_(1.0)
     real, noise = torch.randn(16, 8), torch.randn(16, 8)
     fake = G(noise)
     d_loss = nn.functional.softplus(-D(real)).mean() + nn.functional.softplus(D(fake.detach())).mean()
@@ -207,6 +218,20 @@ def test_a_bare_init_names_each_model_by_its_class_and_number(bad):
             optimizer.zero_grad()
         (event,) = [e for e in guard.events if e.kind == "forward"]
     assert (event.layer, event.step) == (expected[bad], 1), event
+
+
+def test_the_replay_of_a_bare_inits_second_model_names_the_operation_in_it(tmp_path):
+    first = run_gan(tmp_path, "critic code")
+    (incident,) = (tmp_path / "inc").iterdir()
+    event = read_incident(str(incident)).first_event
+    assert (event.layer, event.micro_batch) == ("Sequential#2.3", 0), first.stderr[-2000:]
+    second = run_gan(tmp_path, "none", replay=str(incident))
+    assert second.returncode == 0, second.stderr
+    report = read_incident(str(incident)).replay_report()
+    (op,) = report["operations"]["0"]["forward"][:1]
+    # it ran in the critic's module, in its first forward of the step: not "outside the modules"
+    assert (op["op"], op["module"], op["micro_batch"]) == ("aten::log", "Sequential#2.3", 0), op
+    assert report["verdict"] == "reproducible", report["message"]
 
 
 def test_a_step_stopped_at_a_later_optimizer_is_refused_by_a_replay_with_the_reason(tmp_path):
