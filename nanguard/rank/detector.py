@@ -112,7 +112,8 @@ class Detector:
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
-        self._root_end = untraced(self._end_of_root)  # (compiled in place, untraced)
+        self.depth = 0
+        """root forwards in progress (a root called inside another's is not a micro-batch)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -149,11 +150,11 @@ class Detector:
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         self.backward.watch_collectives(root, names)
         root_slot = self._modules[root]
-        self._handles.append(root.register_forward_pre_hook(
-            self._make_root_pre(root_slot), with_kwargs=True))
+        pre, post = _root_hooks(self, root_slot)
+        self._handles.append(root.register_forward_pre_hook(pre, with_kwargs=True))
         if type(root).forward is nn.Module.forward:  # a ModuleDict of a GAN: the script calls its children
             self._handles += [child.register_forward_pre_hook(_step_start(self)) for child in root.children()]
-        self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(post, with_kwargs=True, always_call=True))
         return root_slot
 
     def _register(self, module: nn.Module, qualified: str) -> int:
@@ -167,7 +168,7 @@ class Detector:
             if id(param) not in catalog.param_names:
                 self.backward.add_parameter(param)
             catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
-            catalog.param_owner.setdefault(id(param), slot)
+            catalog.param_holders.setdefault(id(param), []).append(slot)
         return slot
 
     def detach(self) -> None:
@@ -241,15 +242,6 @@ class Detector:
         for tensor in tensors:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
-    def _make_root_pre(self, root_slot: int):
-        # (compiled in place, untraced: traced, it would recompile on every new micro-batch number)
-        work = untraced(self.root_pre)
-
-        def root_pre(module, args, kwargs):
-            work(root_slot, args, kwargs)
-            return None
-
-        return root_pre
 
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
@@ -279,11 +271,11 @@ class Detector:
         if self.on_step_start is not None:
             self.on_step_start()
 
-    def _root_post(self, module, args, kwargs, output):
-        self._root_end(output)
-        return None
-
-    def _end_of_root(self, output: Any) -> None:
+    def root_end(self, output: Any) -> None:
+        """A root forward returned ``output`` (None: it raised)."""
+        self.depth = max(self.depth - 1, 0)
+        if self.depth or output is None:
+            return
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
@@ -348,6 +340,29 @@ class Detector:
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The floating tensors a call was given, positional then keyword."""
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+
+
+def _root_hooks(detector: Detector, root_slot: int):
+    """The forward pre- and post-hook of a root. Untraced: a root compiled in place runs them
+    inside its compiled frame, where its bookkeeping would recompile on every new micro-batch
+    number. A root called inside another's forward (a bare init() found a model's child first,
+    when the script called it alone) is a module there: not a micro-batch, nor its input a batch.
+    The post-hook runs when the forward raises too (``always_call``), with no output."""
+    @untraced
+    def begins(args: tuple, kwargs: dict) -> None:
+        detector.depth += 1
+        if detector.depth == 1:
+            detector.root_pre(root_slot, args, kwargs)
+
+    ends = untraced(detector.root_end)
+
+    def pre(module, args, kwargs):
+        begins(args, kwargs)
+
+    def post(module, args, kwargs, output):
+        ends(output)
+
+    return pre, post
 
 
 def _step_start(detector: Detector):

@@ -372,10 +372,9 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
     if not bad:
         return None  # norms that overflowed on finite gradients
     order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
-    owner_of = catalog.param_owner
-    bad.sort(key=lambda pg: order.get(owner_of.get(id(pg[0]), -1), len(order)))
+    bad.sort(key=lambda pg: order.get(_owner(catalog, pg[0]), len(order)))
     param, grad = bad[0]
-    slot = owner_of.get(id(param))
+    slot = _owner(catalog, param)
     names = [catalog.param_name(p) for p, _ in bad]
     fields = {"kind": "grad", "layer": names[0],
               "module_type": catalog.slots[slot].module_type if slot is not None else "",
@@ -436,10 +435,10 @@ def _group_fields(catalog: Catalog, log: StepLog, group: tuple[str, bool], field
         return fields
     order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
     members = sorted((p for p in owners if group_of(catalog.param_name(p)) == name),
-                     key=lambda p: order.get(catalog.param_owner.get(id(p), -1), len(order)))
+                     key=lambda p: order.get(_owner(catalog, p), len(order)))
     if not members:
         return fields
-    slot = catalog.param_owner.get(id(members[0]))
+    slot = _owner(catalog, members[0])
     names = [catalog.param_name(p) for p in members]
     where = (f"this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"
              if slot in order else "where in the backward pass is not known (its module ran no forward in this step)")
@@ -460,9 +459,9 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
     another optimizer's), the gradient may as well have come in with the loss's."""
     finite: dict[int, bool] = {}
     for param, norm in zip(owners, norms):
-        owner = catalog.param_owner.get(id(param))
-        if owner is not None and param.requires_grad:  # a frozen one's gradient is not this backward's
-            finite[owner] = finite.get(owner, True) and math.isfinite(norm)
+        if param.requires_grad:  # a frozen one's gradient is not this backward's
+            for holder in catalog.param_holders.get(id(param), ()):  # (a tied weight: each module using it)
+                finite[holder] = finite.get(holder, True) and math.isfinite(norm)
     position = order.index(slot)
     earlier = [i for i in range(position) if order[i] in finite]
     after = order[earlier[-1]] if earlier else None
@@ -474,13 +473,29 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
                 " checked at this step (no trainable parameters, frozen, or another optimizer's"
                 f"{': ' + ran if ran else ''}), so it was born in their backward pass or in its own"
                 " module's, or came in with the loss's gradient; guard.check(loss) shows the loss's value")
-    text = ("the forward and the gradients of the modules that ran after it were finite, so it was born in"
-            " the backward pass")
+    # bad gradients are in order of their owners: a module that ran after it with a bad one holds a
+    # weight tied to a module that ran before (an output layer's, the embedding's), whose gradient
+    # sums both uses: which use made the NaN is not known
+    tied = [catalog.slots[s].name for s in order[:position] if not finite.get(s, True)]
+    if not finite[after]:
+        return (f"the gradient of {tied[-1]} is non-finite too, through a weight it shares with a module that ran"
+                " before it (tied), whose gradient sums both uses: the first bad gradient is this one, or"
+                f" {tied[-1]}'s, and then the loss's gradient or {tied[-1]}'s own backward made it;"
+                " guard.check(loss) shows the loss's value")
+    text = ("the forward and the gradients of the modules that ran after it were finite"
+            f"{' (but for ' + ', '.join(tied[:4]) + ', whose weight is tied to a module that ran before it)' if tied else ''},"
+            " so it was born in the backward pass")
     if finite[after]:
         text += f" between the gradients of {catalog.slots[after].name} (finite) and this one"
         if ran:
             text += "; what ran between them in the forward, without parameters: " + ran
     return text
+
+
+def _owner(catalog: Catalog, param: torch.Tensor) -> int | None:
+    """The slot of the module that owns ``param`` (the first attached that holds it: of a tied
+    weight, the embedding)."""
+    return catalog.param_holders.get(id(param), [None])[0]
 
 
 def _sharded(param: torch.Tensor) -> bool:

@@ -73,6 +73,7 @@ class Guard:
         self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)
         self._respond.step_part = lambda: self._clock.part
         self._respond.guarded_params = self._detector.backward.params
+        self._observer.nested = lambda: self._detector.depth > 0
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
         if settings.disable:
@@ -227,6 +228,8 @@ class Guard:
         if isinstance(module, torch.fx.GraphModule):
             return None  # compiled code runs its graphs as modules; a user's FX model needs init(model)
         self._attach(module)
+        if self._detector.depth:
+            return None  # found inside another root's forward: a module of it there
         # Hooks added during this call's pre-hooks only fire from the next call on.
         fed = self._observer.first_call(module, args)
         self._detector.root_pre(self._detector.slot_of(module), fed or args, {})

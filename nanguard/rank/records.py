@@ -111,8 +111,9 @@ class Catalog:
     slots: list[Slot] = field(default_factory=list)
     param_names: dict[int, str] = field(default_factory=dict)
     """qualified parameter names by ``id(param)``"""
-    param_owner: dict[int, int] = field(default_factory=dict)
-    """the slot of the module that owns a parameter directly, by ``id(param)``"""
+    param_holders: dict[int, list[int]] = field(default_factory=dict)
+    """the slots of every module that holds a parameter directly, by ``id(param)``, its owner (the
+    first attached) first: a tied weight is the embedding's and the output layer's"""
     check_names: dict[str, int] = field(default_factory=dict)
 
     def check_index(self, name: str) -> int:

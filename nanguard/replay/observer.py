@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -75,11 +75,14 @@ def unpersisted(saved: Any, model: nn.Module, path: str) -> list[tuple[str, torc
     return list(saved.items())
 
 
-def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str) -> bool:
+def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str, loaded: set[int] | None = None) -> bool:
     """Load what an incident's extra states hold of the model whose names begin with ``prefix``
     (a bare init()'s roots after the first: ``MORE_MODELS``), once checked to fit ``model``;
     False when it holds none (an incident from before they were captured). IncidentError, with
-    nothing loaded, for anything else (the folder may come from anywhere)."""
+    nothing loaded, for anything else (the folder may come from anywhere). ``loaded``: ids of the
+    tensors loaded already (a model holding an earlier root, a child the script called first),
+    which are left as they are (the forward that ran may have saved them for its backward); the
+    model's own are added."""
     saved = extra.get(MORE_MODELS) if isinstance(extra, dict) else None
     if saved is None or (isinstance(saved, dict) and prefix not in saved):
         return False
@@ -91,11 +94,14 @@ def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str) -> bo
                                   " nanguard")
     _check_model_state(model, record["model"], path)
     buffers = unpersisted(record.get(NON_PERSISTENT, {}), model, path)
+    loaded = set() if loaded is None else loaded
+    tensors = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
     with torch.no_grad():
-        model.load_state_dict(record["model"])
-        own = dict(model.named_buffers())
+        model.load_state_dict({k: v for k, v in record["model"].items() if id(tensors[k]) not in loaded}, strict=False)
         for name, value in buffers:
-            own[name].copy_(value)
+            if id(tensors[name]) not in loaded:
+                tensors[name].copy_(value)
+    loaded.update(id(t) for t in tensors.values())
     return True
 
 
@@ -156,6 +162,8 @@ class StepObserver:
     """the step the guard starts counting from (a replay's incident step), or None"""
     stepped: bool = False
     """whether the first step is decided at an optimizer step even before one is seen"""
+    nested: Callable[[], bool] = staticmethod(lambda: False)
+    """whether a guarded root's forward is in progress (set by the guard)"""
 
     def forensic(self, settings: Settings) -> Settings:
         """The guard's settings for what is observed."""
@@ -209,6 +217,7 @@ class Replay(StepObserver):
         self._model_loaded = False
         self._optimizers_loaded = False
         self._names: dict[int, str] = {}
+        self._loaded: set[int] = set()  # ids of the model tensors loaded so far
         self._handles: list[Any] = []
         if not incident.manifest["capture_batch"]:
             self.notes.append("the batch was not captured (capture_batch=False): the replay used the"
@@ -250,13 +259,14 @@ class Replay(StepObserver):
             return
         unwrapped = unwrap(root)
         _check_model_state(unwrapped, self.state["model"], self._state_path)
-        unpersisted = self._unpersisted(unwrapped)
+        unpersisted = _unpersisted(self.state, unwrapped, self._state_path, self.notes)
         back = devices.move(root, self.device) if self.device is not None else None
         with torch.no_grad():
             unwrapped.load_state_dict(self.state["model"])
             buffers = dict(unwrapped.named_buffers())  # (moved to the replay's device by now)
             for name, value in unpersisted:
                 buffers[name].copy_(value)
+        self._loaded = {id(t) for t in (*unwrapped.state_dict(keep_vars=True).values(), *buffers.values())}
         self._model_loaded = True
         self._root = root
         self._install(root, param_names, back)
@@ -268,25 +278,12 @@ class Replay(StepObserver):
         self._handles += self.trace.install(root, self._names, prefix)
         if self.ops is not None:  # what runs in it is named by its module too
             self._handles += self.ops.install(root, _skipped_names(root, self.settings, prefix), prefix)
-        if not load_other_model(self.state.get("extra"), prefix, unwrap(root), self._state_path):
+        if not load_other_model(self.state.get("extra"), prefix, unwrap(root), self._state_path, self._loaded):
             self.notes.append(f"the incident holds no weights of {prefix}, a model the script runs beside the"
                               " first one: the script's own were used")
         elif self.device is not None:
             self.notes.append(f"{prefix} stayed where the script put it (only the first model moves to"
                               " NANGUARD_REPLAY_DEVICE)")
-
-    def _unpersisted(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The incident's values of the model's non-persistent buffers (``unpersisted``). An
-        incident from before they were captured holds none: the script's own are used, and the
-        notes say so."""
-        saved = (self.state.get("extra") or {}).get(NON_PERSISTENT)
-        if saved is None:
-            own = list(non_persistent_buffers(model))
-            if own:
-                self.notes.append(f"the incident holds no non-persistent buffers ({', '.join(own[:4])}):"
-                                  " the script's own were used")
-            return []
-        return unpersisted(saved, model, self._state_path)
 
     def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
         """Loads the optimizer state into the first optimizer to step (the one whose step an
@@ -326,6 +323,8 @@ class Replay(StepObserver):
         return new_args
 
     def _feed(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.nested():
+            return None  # called inside another model's forward: a module there, fed by it
         index = self._forwards
         self._forwards += 1
         if index == 0:
@@ -438,6 +437,19 @@ class Replay(StepObserver):
         with torch.no_grad():
             for target, source in zip(given, captured):
                 target.copy_(source)
+
+
+def _unpersisted(state: dict[str, Any], model: nn.Module, path: str, notes: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """The incident's values of the model's non-persistent buffers (``unpersisted``). An incident
+    from before they were captured holds none: the script's own are used, and ``notes`` say so."""
+    saved = (state.get("extra") or {}).get(NON_PERSISTENT)
+    if saved is None:
+        own = list(non_persistent_buffers(model))
+        if own:
+            notes.append(f"the incident holds no non-persistent buffers ({', '.join(own[:4])}): the script's"
+                         " own were used")
+        return []
+    return unpersisted(saved, model, path)
 
 
 def _forward_of(others: dict[str, int], first: int, name: str | None) -> int:

@@ -121,7 +121,7 @@ def gradients_case(cat, bad_slot):
     grads[bad_slot - 1] = torch.tensor([NAN, 1.0])
     for slot, param in zip((1, 2), params):
         cat.param_names[id(param)] = f"{cat.slots[slot].name}.weight"
-        cat.param_owner[id(param)] = slot
+        cat.param_holders[id(param)] = [slot]
     log = log_of(record(OUT, 1, torch.ones(1)), record(OUT, 2, torch.ones(1)))
     return log, params, grads
 
@@ -176,7 +176,7 @@ def test_a_roots_own_parameter_counts_as_used_first_even_when_probed_last():
     params = {name: torch.zeros(2) for name in ("cls_token", "blocks.0.weight", "head.weight")}
     for slot, name in enumerate(params):
         cat.param_names[id(params[name])] = name
-        cat.param_owner[id(params[name])] = slot
+        cat.param_holders[id(params[name])] = [slot]
     log = log_of(record(OUT, 1, torch.ones(1)), record(OUT, 2, torch.ones(1)), record(OUT, 0, torch.ones(1)))
     grads = [torch.tensor([NAN, 0.0]), torch.tensor([NAN, 0.0]), torch.ones(2)]  # born in head's backward
     event = first_bad(cat, log, reading(OK, OK, OK, grads=grads), make, list(params.values()), grads).event

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import subprocess
 import sys
 
@@ -431,3 +432,57 @@ def test_the_names_of_any_incidents_optimizer_parameters_are_a_list_of_names_or_
     else:
         with pytest.raises(Refused, match="^state.pt: holds optimizer_params that are not a list of names"):
             _optimizer_params({"optimizer_params": held}, "state.pt")
+
+
+CHILD_FIRST_SCRIPT = """
+import sys, torch, nanguard
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+nanguard.init()
+for step in range(4):
+    if step == 2 and sys.argv[1] == "weight":
+        with torch.no_grad():
+            model.encoder[2].weight[0, 0] = float("nan")
+    x, x2 = torch.randn(16, 8), torch.randn(16, 8)
+    if step == 2 and sys.argv[1] == "batch":
+        x[0, 0] = float("nan")
+    anchor = model.encoder(x2)  # a child of the model, called alone before the model: found first
+    pred = model(x)
+    loss = ((pred - 0.1 * anchor.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_child_the_script_calls_before_its_model_is_a_module_inside_the_model(tmp_path):
+    # a bare init() makes the encoder a root (found first); inside the model's forward it is a
+    # module: its call there is not a micro-batch of its own, and a replay does not feed it
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_FIRST_SCRIPT)
+    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    batch = subprocess.run([sys.executable, str(script), "batch"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert "the input batch of Net was already non-finite" in batch.stderr, batch.stderr[-3000:]
+    assert "born in this module" not in batch.stderr
+    shutil.rmtree(tmp_path / "inc")
+    first = subprocess.run([sys.executable, str(script), "weight"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert "NonFiniteError" in first.stderr
+    (incident,) = (tmp_path / "inc").iterdir()
+    second = subprocess.run([sys.executable, str(script), "none"], env={**env, "NANGUARD_REPLAY": str(incident)},
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert read_incident(str(incident)).replay_report()["verdict"] == "reproducible"

@@ -1090,3 +1090,35 @@ def test_a_nan_born_in_the_last_modules_own_backward_is_not_asserted_to_come_fro
     event = guard.events[0]
     assert event.kind == "loss" and "or the backward of 2 itself made it" in event.message, event.message
     assert "was already non-finite, so most likely" not in event.message
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2's tying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.body = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.ln(torch.relu(self.body(self.emb(ids)))))
+
+
+def test_a_tied_output_layer_is_not_said_to_have_no_gradient_and_the_loss_stays_possible():
+    # the shared weight is the head's too, and its gradient sums both uses: a NaN the loss made is
+    # not "born in the backward pass" after "a head without trainable parameters"
+    torch.manual_seed(0)
+    model = TiedLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        logits = model(torch.randint(0, 50, (4, 6)))
+        (logits.mean() + torch.sqrt(((logits - logits.detach()) ** 2).sum())).backward()
+        optimizer.step()
+    event = guard.events[0]
+    assert event.kind == "grad" and event.layer == "ln.weight", event
+    assert "the gradient of head is non-finite too, through a weight it shares" in event.message, event.message
+    assert "the loss's gradient or head's own backward made it" in event.message
+    assert "no trainable parameters" not in event.message and "so it was born in" not in event.message
