@@ -6,8 +6,10 @@
 The guard is installed when fitting starts (on the model as the strategy wrapped it, so DDP's
 gradient buckets are watched too) and removed when fitting ends, with or without an error. Settings are
 ``nanguard.init`` keywords (``NanguardCallback(on_nan="skip")``) or ``NANGUARD_*`` variables.
-Steps are counted as the trainer's ``global_step`` (a resumed fit goes on from its checkpoint,
-which also keeps the guard's own state). Where no forward of the guarded model takes the batch
+Steps are counted as the trainer's ``global_step`` with one optimizer (a resumed fit goes on from
+its checkpoint, which also keeps the guard's own state); with several (a GAN's manual
+optimization) one step is an iteration, counted by the first optimizer to step, where Lightning
+counts every optimizer's. Where no forward of the guarded model takes the batch
 (one device: ``training_step`` calls submodules), the batch the trainer hands over is what an
 incident captures, and what a replay fills with the captured one.
 Lightning's automatic optimization runs the forward and backward inside

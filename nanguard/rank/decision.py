@@ -241,7 +241,7 @@ class Decider:
                 self._report_step(reading.stop)
                 return
         detector.reset()
-        if reading.norms:
+        if reading.norms and not self.clock.part:  # one series: the steps of the optimizer counting them
             self.respond.watch_norms(reading.norms, owners, self._event)
         self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
                                 owners=owners, optimizer=optimizer, clean=True)

@@ -486,3 +486,16 @@ def test_a_child_the_script_calls_before_its_model_is_a_module_inside_the_model(
                             capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
+
+
+def test_the_gradient_norm_guard_watches_one_series_with_two_optimizers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    body, head = torch.optim.SGD(model[0].parameters(), 0.01), torch.optim.SGD(model[1].parameters(), 0.01)
+    with nanguard.init(model, [body, head], grad_norm_warn=1e-12) as guard:  # every step warns
+        for _ in range(3):
+            model(torch.randn(4, 4)).sum().backward()
+            body.step(), head.step()
+            body.zero_grad(), head.zero_grad()
+        events = guard.events
+    assert [e.step for e in events if e.kind == "grad_norm"] == [0, 1, 2], events
