@@ -274,7 +274,12 @@ class Detector:
     def root_end(self, output: Any) -> None:
         """A root forward returned ``output`` (None: it raised)."""
         self.depth = max(self.depth - 1, 0)
-        if self.depth or output is None:
+        if self.depth:
+            return
+        log = self.log
+        if log.spans:
+            log.span_ends[len(log.spans) - 1] = len(log.records)
+        if output is None:
             return
         self.backward.forward_done(output)
         kept = self._kept_bytes

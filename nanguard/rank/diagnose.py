@@ -486,7 +486,8 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
             f"{' (but for ' + ', '.join(tied[:4]) + ', whose weight is tied to a module that ran before it)' if tied else ''},"
             " so it was born in the backward pass")
     if finite[after]:
-        text += f" between the gradients of {catalog.slots[after].name} (finite) and this one"
+        text += (f" between the gradients of {catalog.slots[after].name} (finite) and this one, or before those"
+                 " on a path that went around its parameters (a residual connection, a ReLU that was off there)")
         if ran:
             text += "; what ran between them in the forward, without parameters: " + ran
     return text
@@ -536,12 +537,14 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
     found, blamed = [], []
-    outside = not any(start <= index for start, _, _ in log.spans)  # no forward of a root began before it
+    outside = not log.in_forward(index)  # the script called the model's modules itself (a GAN's G and D)
     for label in dict.fromkeys(labels):
         module = _module(by_name, label)
-        if not label and outside:  # the script called the model's modules itself (a GAN's G and D)
-            found.append("the training script, outside the model (its root module ran no forward in this"
-                         " step: the script called its modules directly), or the data it gave them")
+        if not label and outside:
+            found.append("the training script, outside the model (" + (
+                "its root module ran no forward in this step" if not log.spans else
+                "called outside the root module's forward") + ": the script called its modules directly), or the"
+                " data it gave them")
             continue
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue

@@ -279,6 +279,8 @@ class StepLog:
     records: list[Probe] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     """(first probe index, root slot, micro-batch) of every root forward"""
+    span_ends: dict[int, int] = field(default_factory=dict)
+    """the probe index where the forward of ``spans[k]`` returned, by k (when its end was seen)"""
     buckets: list[torch.Tensor] = field(default_factory=list)
     """probes of the gradients before they are summed across ranks (DDP buckets, FSDP2 reduce-scatters)"""
     bucket_groups: list[str] = field(default_factory=list)
@@ -306,8 +308,8 @@ class StepLog:
     these moved (a buffer first written in this step, or changed between its micro-batches)"""
 
     def clear(self) -> None:
-        for part in (self.values, self.evidence, self.records, self.spans, self.buckets, self.bucket_groups,
-                     self.batches):
+        for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.buckets,
+                     self.bucket_groups, self.batches):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()
@@ -334,9 +336,15 @@ class StepLog:
         return out
 
     def micro_batch_of(self, index: int) -> int | None:
-        """Which forward of its root (within the step) probe ``index`` was made in."""
+        """Which forward of its root (within the step) probe ``index`` was made in; None outside
+        any (before the first, or after one returned: the script called a module itself)."""
         position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
-        return self.spans[position][2] if position >= 0 else None
+        return self.spans[position][2] if position >= 0 and index < self.span_ends.get(position, math.inf) else None
+
+    def in_forward(self, index: int) -> bool:
+        """Whether probe ``index`` was made inside a root's forward."""
+        position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
+        return position >= 0 and index < self.span_ends.get(position, math.inf)
 
     def backward_order(self, slots: list[Slot]) -> list[int]:
         """Module slots in the order their gradients are produced: the reverse of the order in

@@ -1067,6 +1067,16 @@ def test_a_block_that_makes_its_own_inf_is_not_blamed_on_the_mask_it_took():
     assert "its parameter(s) gamma are non-finite" in event.message and "held infinities" in event.message
 
 
+def event_of_an_armed_step(model: nn.Module, armed: int):
+    """The first event of one step (on_nan=warn) of ``model`` with its module ``armed`` armed."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        model[armed].armed = True
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    return guard.events[0]
+
+
 class LastLayerFault(nn.Linear):
     """The model's last layer, whose own backward makes NaN (a custom Function inside it)."""
 
@@ -1081,13 +1091,7 @@ def test_a_nan_born_in_the_last_modules_own_backward_is_not_asserted_to_come_fro
     # the gradient entering the model's backward is finite; the first bad gradients are the last
     # layer's own: the loss is the likelier source, not a fact, and the layer's backward is named
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), LastLayerFault(8, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with nanguard.init(model, optimizer, on_nan="warn") as guard:
-        model[2].armed = True
-        model(torch.randn(4, 8)).sum().backward()
-        optimizer.step()
-    event = guard.events[0]
+    event = event_of_an_armed_step(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), LastLayerFault(8, 2)), 2)
     assert event.kind == "loss" and "or the backward of 2 itself made it" in event.message, event.message
     assert "was already non-finite, so most likely" not in event.message
 
@@ -1122,3 +1126,49 @@ def test_a_tied_output_layer_is_not_said_to_have_no_gradient_and_the_loss_stays_
     assert "the gradient of head is non-finite too, through a weight it shares" in event.message, event.message
     assert "the loss's gradient or head's own backward made it" in event.message
     assert "no trainable parameters" not in event.message and "so it was born in" not in event.message
+
+
+class Residual(nn.Module):
+    """x + relu(fc(x)), its ReLU off everywhere (bias -100): a gradient goes around fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.fc.bias.fill_(-100.0)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+def test_a_finite_gradient_before_a_residual_block_is_not_proof_the_nan_was_born_after_it():
+    # the NaN is born in the backward above the residual block: it reaches the first layer through
+    # the skip path, while the block's fc (its ReLU off) gets a finite gradient
+    torch.manual_seed(0)
+    event = event_of_an_armed_step(nn.Sequential(nn.Linear(8, 8), Residual(), GradFault(), nn.Linear(8, 2)), 2)
+    assert event.layer == "0.weight" and "between the gradients of 1.fc (finite) and this one" in event.message
+    assert "or before those on a path that went around its parameters (a residual connection" in event.message
+
+
+def test_a_module_the_script_calls_after_the_models_forward_is_the_scripts_code():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        anchor = torch.randn(4, 8)
+        anchor[0, 0] = math.nan  # the script's own input to the encoder, called alone
+        (model(torch.randn(4, 8)).sum() + model.encoder(anchor).sum()).backward()
+        optimizer.step()
+    event = guard.events[0]
+    assert (event.layer, event.micro_batch) == ("encoder.0", None), event
+    assert "the training script, outside the model (called outside the root module's forward" in event.message
+    assert "forward code of the root module" not in event.message
