@@ -354,18 +354,14 @@ def _root_hooks(detector: Detector, root_slot: int):
     when the script called it alone) is a module there: not a micro-batch, nor its input a batch.
     The post-hook runs when the forward raises too (``always_call``), with no output."""
     @untraced
-    def begins(args: tuple, kwargs: dict) -> None:
+    def pre(module, args, kwargs):
         detector.depth += 1
         if detector.depth == 1:
             detector.root_pre(root_slot, args, kwargs)
 
-    ends = untraced(detector.root_end)
-
-    def pre(module, args, kwargs):
-        begins(args, kwargs)
-
+    @untraced
     def post(module, args, kwargs, output):
-        ends(output)
+        detector.root_end(output)
 
     return pre, post
 

@@ -17,6 +17,7 @@ import torch
 from ..events import Event
 from . import forensics
 from .buffers import NORMS
+from .modules import within
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, changed_since
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def _passed_to(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     if found is None and records[index].role == OUT:
         name = catalog.slots[records[index].slot].name
         j = index - 1
-        while j >= 0 and records[j].role != CHECK and _within(catalog.slots[records[j].slot].name, name):
+        while j >= 0 and records[j].role != CHECK and within(catalog.slots[records[j].slot].name, name):
             if records[j].role == IN and carried(j):
                 found = j  # the earliest, as the walk goes back
             j -= 1
@@ -429,7 +430,7 @@ def _group_fields(catalog: Catalog, log: StepLog, group: tuple[str, bool], field
     groups = sorted(set(log.bucket_groups), key=len, reverse=True)
 
     def group_of(param: str) -> str:
-        return next((g for g in groups if not g or param.startswith(g + ".")), "")
+        return next((g for g in groups if within(param, g)), "")
 
     if fields is not None and (fields["kind"] == "loss" or group_of(fields["layer"]) == name):
         return fields
@@ -518,7 +519,7 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
     name = catalog.slots[log.records[index].slot].name
     # the last output checked before the call began: its own children's came before its probes
     last = next((i for i in range(index - 1, -1, -1) if log.records[i].role == OUT
-                 and not _within(catalog.slots[log.records[i].slot].name, name)), -1)
+                 and not within(catalog.slots[log.records[i].slot].name, name)), -1)
     previous = catalog.slots[log.records[last].slot].name if last >= 0 else ""
     own, other = name.split(".")[:-1] if name else [], previous.split(".")[:-1] if previous else []
     depth = next((i for i, (a, b) in enumerate(zip(own, other)) if a != b), min(len(own), len(other)))
@@ -537,7 +538,7 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]
     found, blamed = [], []
-    outside = not log.in_forward(index)  # the script called the model's modules itself (a GAN's G and D)
+    outside = log.micro_batch_of(index) is None  # the script called the model's modules itself (a GAN's G and D)
     for label in dict.fromkeys(labels):
         module = _module(by_name, label)
         if not label and outside:
@@ -572,7 +573,7 @@ def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
             continue
         inside = catalog.slots[record.slot].name
         if inside != name:
-            if _within(inside, name):
+            if within(inside, name):
                 continue  # more of what ran inside the call
             break
         if record.role == OUT:
@@ -586,8 +587,3 @@ def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
 def _module(by_name: dict[str, Slot], name: str) -> torch.nn.Module | None:
     slot = by_name.get(name)
     return slot.module() if slot is not None else None
-
-
-def _within(name: str, ancestor: str) -> bool:
-    """Whether module ``name`` is ``ancestor`` or inside it."""
-    return not ancestor or name == ancestor or name.startswith(ancestor + ".")

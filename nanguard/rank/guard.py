@@ -105,8 +105,9 @@ class Guard:
     @property
     def step(self) -> int:
         """Optimizer steps seen, a refused one included (with several optimizers, the steps of
-        the first one to step, the others' steps belonging to its last: ``StepClock``); between steps, the 0-based index of the next step. Events carry
-        the index of the step they happened in."""
+        the first one to step, the others' steps belonging to its last: ``StepClock``); between
+        steps, the 0-based index of the next step. Events carry the index of the step they
+        happened in."""
         return self._clock.step
 
     @property

@@ -18,6 +18,11 @@ _WRAPPERS = {
 }
 
 
+def within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or inside it."""
+    return not ancestor or name == ancestor or name.startswith(ancestor + ".")
+
+
 def is_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ in _WRAPPERS
 

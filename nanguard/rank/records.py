@@ -341,11 +341,6 @@ class StepLog:
         position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
         return self.spans[position][2] if position >= 0 and index < self.span_ends.get(position, math.inf) else None
 
-    def in_forward(self, index: int) -> bool:
-        """Whether probe ``index`` was made inside a root's forward."""
-        position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
-        return position >= 0 and index < self.span_ends.get(position, math.inf)
-
     def backward_order(self, slots: list[Slot]) -> list[int]:
         """Module slots in the order their gradients are produced: the reverse of the order in
         which they began. A leaf begins at its first probe; a container at the first probe of its

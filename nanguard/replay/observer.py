@@ -22,7 +22,7 @@ from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
 from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, is_wrapper,
-                            non_persistent_buffers, plain_names, type_name, untraced, unwrap)
+                            non_persistent_buffers, plain_names, type_name, untraced, unwrap, within)
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -93,16 +93,22 @@ def load_other_model(extra: Any, prefix: str, model: nn.Module, path: str, loade
                                   " of it was loaded. The incident folder is damaged or was not written by"
                                   " nanguard")
     _check_model_state(model, record["model"], path)
-    buffers = unpersisted(record.get(NON_PERSISTENT, {}), model, path)
-    loaded = set() if loaded is None else loaded
+    _load_into(model, record["model"], unpersisted(record.get(NON_PERSISTENT, {}), model, path),
+               set() if loaded is None else loaded)
+    return True
+
+
+def _load_into(model: nn.Module, state: dict[str, Any], buffers: list[tuple[str, torch.Tensor]],
+               loaded: set[int]) -> None:
+    """Copy a checked ``state`` and non-persistent ``buffers`` into ``model``, but for the tensors
+    in ``loaded`` (ids), which are left as they are; ``model``'s own are added to it."""
     tensors = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
     with torch.no_grad():
-        model.load_state_dict({k: v for k, v in record["model"].items() if id(tensors[k]) not in loaded}, strict=False)
+        model.load_state_dict({k: v for k, v in state.items() if id(tensors[k]) not in loaded}, strict=False)
         for name, value in buffers:
             if id(tensors[name]) not in loaded:
                 tensors[name].copy_(value)
     loaded.update(id(t) for t in tensors.values())
-    return True
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extra: Any, names: dict[int, str],
@@ -261,12 +267,7 @@ class Replay(StepObserver):
         _check_model_state(unwrapped, self.state["model"], self._state_path)
         unpersisted = _unpersisted(self.state, unwrapped, self._state_path, self.notes)
         back = devices.move(root, self.device) if self.device is not None else None
-        with torch.no_grad():
-            unwrapped.load_state_dict(self.state["model"])
-            buffers = dict(unwrapped.named_buffers())  # (moved to the replay's device by now)
-            for name, value in unpersisted:
-                buffers[name].copy_(value)
-        self._loaded = {id(t) for t in (*unwrapped.state_dict(keep_vars=True).values(), *buffers.values())}
+        _load_into(unwrapped, self.state["model"], unpersisted, self._loaded)  # (onto the replay's device)
         self._model_loaded = True
         self._root = root
         self._install(root, param_names, back)
@@ -355,13 +356,9 @@ class Replay(StepObserver):
 
     def _install(self, root: nn.Module, param_names: dict[int, str], back: torch.device | None) -> None:
         self._names = param_names  # (the guard's: every root's, as they are attached)
-        work = untraced(self._feed)  # (compiled in place: untraced)
-
-        def feed(module, args, kwargs):
-            return work(module, args, kwargs)
-
-        # first, so that the guard's own pre-hook sees (and checks) the captured batch
-        self._handles.append(root.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
+        # first, so that the guard's own pre-hook sees (and checks) the captured batch; untraced, as
+        # a model compiled in place runs it inside its compiled frame
+        self._handles.append(root.register_forward_pre_hook(untraced(self._feed), with_kwargs=True, prepend=True))
         self._handles += self.trace.install(root, param_names)
         self._skipped = _skipped_names(root, self.settings)
         if self.ops is not None:
@@ -455,7 +452,7 @@ def _unpersisted(state: dict[str, Any], model: nn.Module, path: str, notes: list
 def _forward_of(others: dict[str, int], first: int, name: str | None) -> int:
     """Which forward (0-based) of the model holding module or parameter ``name`` is running, or
     ran last: one of the ``others`` (forwards so far, by prefix), else the first model (``first``)."""
-    other = next((p for p in others if name is not None and (name == p or name.startswith(p + "."))), None)
+    other = next((p for p in others if name is not None and within(name, p)), None)
     return (others[other] if other is not None else first) - 1
 
 
