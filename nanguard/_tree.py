@@ -25,13 +25,37 @@ _LEAVES = frozenset({type(None), bool, int, float, str, torch.dtype, torch.devic
 None; ``torch.Size`` is a tuple of ints)"""
 
 
+_SEQUENCE, _MAPPING, _DATACLASS, _OBJECT, _CLOSED = range(5)
+_KINDS: dict[type, int] = {}
+"""what each type met is, by type (an isinstance of an ABC, a dataclass test and a cache test cost
+a few us each, at every container of every module call); bounded: a program has few types"""
+_MAX_KINDS = 4096
+
+
+def _kind(obj: Any) -> int:
+    """What ``obj`` is to a walk: a sequence, a mapping, a dataclass instance, an object whose
+    attributes may hold tensors, or one never looked into (a class, a module, a key/value cache).
+    A container's own attributes are not its items: only an object's are looked at (``_held``)."""
+    cls = type(obj)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = (_SEQUENCE if issubclass(cls, (list, tuple)) else _MAPPING if issubclass(cls, Mapping) else
+                _CLOSED if issubclass(cls, (type, torch.nn.Module)) or _key_value_cache(cls) else
+                _DATACLASS if dataclasses.is_dataclass(cls) else _OBJECT)
+        if len(_KINDS) >= _MAX_KINDS:
+            _KINDS.clear()
+        _KINDS[cls] = kind
+    return kind
+
+
 def _items(obj: Any) -> Iterable[Any] | None:
     """The children of a container, or None for a leaf."""
-    if isinstance(obj, (list, tuple)):
+    kind = _kind(obj)
+    if kind == _SEQUENCE:
         return obj
-    if isinstance(obj, Mapping):
+    if kind == _MAPPING:
         return obj.values()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if kind == _DATACLASS:
         return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     return None
 
@@ -39,15 +63,15 @@ def _items(obj: Any) -> Iterable[Any] | None:
 def _held(obj: Any) -> Iterable[Any] | None:
     """The attributes of an object that are tensors or containers (not other objects, so that a
     walk never wanders through a model or a tokenizer), or None."""
-    attributes = getattr(obj, "__dict__", None)
-    if not isinstance(attributes, dict) or isinstance(obj, (type, torch.nn.Module)) or _key_value_cache(obj):
+    attributes = getattr(obj, "__dict__", None) if _kind(obj) == _OBJECT else None
+    if not isinstance(attributes, dict):
         return None
     return [value for value in attributes.values() if isinstance(value, torch.Tensor) or (
         type(value) not in _LEAVES and _items(value) is not None)]
 
 
-def _key_value_cache(obj: Any) -> bool:
-    """A transformers key/value cache (``DynamicCache``, ``StaticCache``, their layers), which
+def _key_value_cache(cls: type) -> bool:
+    """A transformers key/value cache type (``DynamicCache``, ``StaticCache``, their layers), which
     decoders hand to every layer and return, in training too (``use_cache`` defaults to True).
     It holds the keys and values the attention layers compute during the call: walked at every
     layer, it made each step's walk grow with the square of the depth and probed each layer's keys
@@ -57,7 +81,7 @@ def _key_value_cache(obj: Any) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")  # never imported: no cache to meet
     kinds = tuple(k for k in (getattr(cache_utils, "Cache", None), getattr(cache_utils, "CacheLayerMixin", None))
                   if isinstance(k, type))
-    return bool(kinds) and isinstance(obj, kinds)
+    return bool(kinds) and issubclass(cls, kinds)
 
 
 def tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
@@ -103,11 +127,12 @@ def named_floating_tensors(obj: Any, _path: str = "", _depth: int = 0) -> list[t
         return [(_path, obj)] if obj.is_floating_point() or obj.is_complex() else []
     if _depth >= MAX_DEPTH:
         return []
-    if isinstance(obj, (list, tuple)):
+    kind = _kind(obj)
+    if kind == _SEQUENCE:
         named = [(f"[{i}]", item) for i, item in enumerate(obj)]
-    elif isinstance(obj, Mapping):
+    elif kind == _MAPPING:
         named = [(str(key), value) for key, value in obj.items()]
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    elif kind == _DATACLASS:
         named = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     else:
         named = [(key, value) for key, value in vars(obj).items()

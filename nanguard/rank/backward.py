@@ -13,7 +13,7 @@ from torch import nn
 
 from .._tree import floating_tensors
 from . import forensics
-from .records import StepLog
+from .records import StepLog, gradless
 
 
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +167,8 @@ def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], 
     # reading a tensor's layout and requires_grad costs ~0.3 us a gradient; a kind the fused
     # norm does not take (sparse) raises, and goes the general way
     if all(type(g) is torch.Tensor for g in grads):
-        try:
-            with torch.no_grad():
-                return owners, list(torch._foreach_norm(grads))
+        try:  # (autograd off: a gradient made with create_graph has a graph, not followed)
+            return owners, list(gradless(torch._foreach_norm, grads))
         except RuntimeError:
             pass
     grads = [forensics.plain(g.coalesce().values() if g.is_sparse else g) for g in grads]

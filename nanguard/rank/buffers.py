@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import forensics
-from .records import changed_since, version_of
+from .records import changed_since, gradless, version_of
 
 NORMS = (nn.modules.batchnorm._NormBase,)
 """BatchNorm, SyncBatchNorm, InstanceNorm: running statistics written inside their kernels"""
@@ -55,10 +55,9 @@ class Flat:
             view.data_ptr() == t.data_ptr() for t, view in self._viewed)
         if not same and not self._plan(tensors):
             return False
-        try:
-            with torch.no_grad(), torch.inference_mode(False):
-                for join, sources, flat in self._groups:
-                    join(sources, out=flat)
+        try:  # (into places made outside inference mode, which are written inside it too)
+            for join, sources, flat in self._groups:
+                gradless(join, sources, out=flat)
         except RuntimeError:
             self.forget()
             return False
@@ -165,10 +164,9 @@ class Buffers:
         if not written:
             return []
         tensors = [b for _, b in written]
-        with torch.no_grad():
-            flats = self._checked.flats if self._checked.write(tensors) else [
-                forensics.plain(t).reshape(-1) for t in tensors]  # (a DTensor's shard, say)
-            return [value for flat in flats if flat.numel() for value in torch.aminmax(flat)]
+        flats = self._checked.flats if self._checked.write(tensors) else [
+            forensics.plain(t).reshape(-1) for t in tensors]  # (a DTensor's shard, say)
+        return [value for flat in flats if flat.numel() for value in gradless(torch.aminmax, flat)]
 
     def restore(self) -> list[str]:
         """Put back what the step wrote; returns the names of buffers it wrote that could not be:

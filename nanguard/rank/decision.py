@@ -117,8 +117,8 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     probe_slots, evidence_slots = slots if slots is not None else (Slots(), Slots())
     others = list(norms) + list(buckets) + list(buffers)
     faults = len(probes) + len(others)
-    pieces = [piece for piece in (probe_slots.vector(probes), stack(others) if others else None,
-                                  evidence_slots.vector(list(evidence)), stack(list(extras)) if extras else None)
+    pieces = [piece for piece in (probe_slots.vector(probes, others), evidence_slots.vector(list(evidence)),
+                                  stack(list(extras)) if extras else None)
               if piece is not None]
     if not pieces and collectives is None:
         return None

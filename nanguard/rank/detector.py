@@ -43,7 +43,7 @@ from .backward import BackwardWatch, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import plain_names, type_name, untraced
-from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, version_of
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, gradless, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
 # floating dtype: their outputs need no probe of their own, the probe of their input covers them.
@@ -205,16 +205,8 @@ class Detector:
         if not lazy:
             values, slots = (log.evidence, log.evidence_slots) if role == IN else (log.values, log.value_slots)
             pos = len(values)
-            places = slots.take(local)
-            grad = torch.is_grad_enabled()
-            if grad:
-                torch._C._set_grad_enabled(False)
-            try:
-                # (a 0-d tensor, a loss, is copied into its places: it may be changed in place later)
-                values.extend(torch.aminmax(local, out=places))
-            finally:
-                if grad:
-                    torch._C._set_grad_enabled(True)
+            # (a 0-d tensor, a loss, is copied into its places: it may be changed in place later)
+            values.extend(gradless(torch.aminmax, local, out=slots.take(local)))
         records = log.records
         self._seen[id(tensor)] = (ref, version, len(records))
         records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos,

@@ -28,6 +28,18 @@ def version_of(tensor: torch.Tensor) -> int:
         return next(_UNTRACKED)
 
 
+def gradless(op, *args, **kwargs):
+    """``op(*args, **kwargs)`` with autograd off, as ``torch.no_grad()`` would run it: that context
+    manager costs several us inside a training step here, more than many of the ops it guards."""
+    if not torch.is_grad_enabled():
+        return op(*args, **kwargs)
+    torch._C._set_grad_enabled(False)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
 def changed_since(versions: dict[str, tuple[int, int]], name: str, tensor: torch.Tensor) -> bool:
     """Whether ``tensor``, known as ``name``, was written or replaced since ``versions`` (its
     (``version_of``, id) then) were taken; False for a name they do not hold."""
@@ -133,14 +145,16 @@ class Catalog:
 
 
 class _Places:
-    """One buffer of a dtype and device, and its 0-d views (made once per size)."""
+    """One buffer of a dtype and device, its 0-d views (made once per size), and the slices of it
+    a step reads (made once per length: a tensor made inside a step costs several times its cost alone)."""
 
-    __slots__ = ("key", "buffer", "views", "used")
+    __slots__ = ("key", "buffer", "views", "used", "_spans")
 
     def __init__(self, like: torch.Tensor):
         self.key = (like.dtype, like.device)
         self.used = 0
         self.buffer = self.views = None
+        self._spans: dict[tuple[int, int], torch.Tensor] = {}
         self.grow(64, like)
 
     def grow(self, size: int, like: torch.Tensor) -> None:
@@ -150,6 +164,22 @@ class _Places:
             if self.used:
                 buffer[:self.used].copy_(self.buffer[:self.used])
             self.buffer, self.views = buffer, list(buffer.unbind())
+        self._spans = {}
+
+    def span(self, start: int, stop: int) -> torch.Tensor:
+        """``buffer[start:stop]``, the same view every step that asks for it (a few lengths at most
+        are kept: a run whose steps probe ever more values makes a new one each time)."""
+        view = self._spans.get((start, stop))
+        if view is None:
+            if len(self._spans) >= 8:
+                self._spans.clear()
+            view = self._spans[(start, stop)] = self.buffer[start:stop]
+        return view
+
+    def room(self, size: int, like: torch.Tensor) -> None:
+        """At least ``size`` places, what this step wrote kept."""
+        if size > len(self.views):
+            self.grow(max(size, 2 * len(self.views)), like)
 
 
 class Slots:
@@ -182,8 +212,7 @@ class Slots:
         if places is None or like.dtype is not places.key[0] or like.device != places.key[1]:
             places = self._switch(like)
         used = places.used
-        if used + 2 > len(places.views):
-            places.grow(2 * len(places.views), like)  # more probes than any step before
+        places.room(used + 2, like)  # (more probes than any step before: a bigger buffer)
         places.used = used + 2
         self.used += 2
         if self._order:
@@ -201,18 +230,29 @@ class Slots:
         self._last = places
         return places
 
-    def vector(self, values: list[torch.Tensor]) -> torch.Tensor | None:
-        """``values`` (this step's) as one 1-d tensor, or None when there are none: in probe order,
-        except that with several buffers each buffer's pairs come together (``in_order`` puts the
-        read values back in order)."""
+    def vector(self, values: list[torch.Tensor], tail: list[torch.Tensor] = ()) -> torch.Tensor | None:
+        """``values`` (this step's) then the 0-d tensors ``tail`` (the gradients' norms) as one 1-d
+        tensor, or None when there are none: in probe order, except that with several buffers each
+        buffer's pairs come together (``in_order`` puts the read values back in order). Where the
+        pairs sit in one buffer and ``tail`` is of its dtype, ``tail`` is written after them there:
+        the step reads a slice of that buffer, and makes no tensor to do so."""
         if not values:
-            return None
+            return stack(list(tail)) if tail else None
         if self.used != len(values):
             self._order = []  # stacked as they are: in probe order already
-            return stack(values)
-        if not self._order:
-            return self._last.buffer[:self.used]
-        return concat([p.buffer[:p.used] for p in self._places.values() if p.used])
+            return stack([*values, *tail])
+        if self._order:
+            return concat([p.span(0, p.used) for p in self._places.values() if p.used] + (
+                [stack(list(tail))] if tail else []))
+        places, used = self._last, self.used
+        if tail and all(t.dtype is places.key[0] for t in tail):
+            places.room(used + len(tail), tail[0])
+            try:
+                torch.stack(tail, out=places.span(used, used + len(tail)))
+                return places.span(0, used + len(tail))
+            except RuntimeError:  # on another device (pipeline stages)
+                pass
+        return concat([places.span(0, used), stack(list(tail))]) if tail else places.span(0, used)
 
     def read_if_free(self, values: list[torch.Tensor]) -> list[float] | None:
         """``values`` (this step's) read on the host, in any order, where that syncs nothing: every
