@@ -15,7 +15,8 @@ incident captures, and what a replay fills with the captured one.
 Lightning's automatic optimization runs the forward and backward inside
 ``optimizer.step(closure)``; the guard decides after that closure, before the update, so a
 ``NonFiniteError`` leaves the weights as they were before the bad step. With 16-bit mixed
-precision the trainer's GradScaler is passed on, so steps it skips are still decided.
+precision the trainer's GradScaler is passed on, so steps it skips are still decided, and counted
+as ``global_step`` counts them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ class BackwardWatch:
         self._params: list[weakref.ref] = []
         """every trainable parameter of the attached roots (weakly: a guard keeps no model alive)"""
         self._queued = False
+        self.armed = False
+        """a forward output's node will say when the step's next backward pass starts"""
 
     def params(self) -> list[torch.Tensor]:
         """The trainable parameters of the attached roots that are still alive."""
@@ -127,7 +129,8 @@ class BackwardWatch:
         return self.watches_buckets and bool(self.log.buckets)
 
     def forward_done(self, output: object) -> None:
-        """A root forward returned ``output``: its backward pass will be watched."""
+        """A root forward returned ``output`` (or, where the script calls a model's modules itself,
+        the step's first module did): its backward pass will be watched."""
         if self.snapshot_gradients and not self.watches_buckets and torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
             tensor = output if type(output) is torch.Tensor else next(
@@ -135,10 +138,13 @@ class BackwardWatch:
             node = tensor.grad_fn if tensor is not None else None
             if node is not None:
                 node.register_prehook(self._started)  # cheaper than a hook on the tensor
+                self.armed = True
             elif tensor is not None and tensor.requires_grad:
                 tensor.register_hook(self._started)  # a leaf: it has no node
+                self.armed = True
 
     def _started(self, grad: object) -> None:
+        self.armed = False
         self._queue_end()
 
     def _queue_end(self) -> None:

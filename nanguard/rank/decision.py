@@ -52,7 +52,7 @@ class StepClock:
     optimizer_seen: bool = False
     """an optimizer step was ever decided (else a forward's end decides: eval, inference)"""
     stepped: bool = False
-    """an optimizer step was decided since the GradScaler's last update()"""
+    """a step was counted since the GradScaler's last update() (else the scaler skipped it)"""
     primary: weakref.ref | None = None
     """the optimizer that counts the steps"""
     others: list = field(default_factory=list)
@@ -62,7 +62,7 @@ class StepClock:
 
     def begin(self, optimizer: torch.optim.Optimizer, count: bool) -> bool:
         """An optimizer step is being decided; True when it counts as a new step."""
-        self.optimizer_seen = self.stepped = True
+        self.optimizer_seen = True
         primary = self.primary() if self.primary is not None else None
         if primary is not optimizer and (primary is None or id(optimizer) in self.others):
             self.primary, primary = weakref.ref(optimizer), optimizer
@@ -73,7 +73,17 @@ class StepClock:
         self.part = 0 if primary is optimizer else max(len(self.others), 1)
         counted = primary is optimizer and count
         self.index = self.step if counted else max(self.step - 1, 0)
+        self.stepped = self.stepped or counted
         return counted
+
+    def skipped(self) -> bool:
+        """A step whose update the GradScaler skipped (an Inf in its scaled gradients: no optimizer
+        stepped) is a step all the same, as the training loop and its trainer count it."""
+        self.optimizer_seen = True
+        self.others.clear()
+        self.part = 0
+        self.index = self.step
+        return True
 
     def end(self, counted: bool) -> None:
         self.step += counted

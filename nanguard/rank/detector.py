@@ -332,6 +332,7 @@ class Detector:
         self._seen.clear()
         self._kept_bytes = self._judged = 0
         self._forwards.clear()
+        self.backward.armed = False  # (an output whose backward never ran: the next step's arms again)
 
 
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -377,7 +378,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
     A value passed on (by a finite-preserving module, or an input returned) is probed as evidence
     (``Probe.passed``) unless checked as an output already; a call taking evidence links to it (LINK)."""
     is_compiling = torch.compiler.is_compiling
-    add, seen = detector._add, detector._seen
+    add, seen, watch = detector._add, detector._seen, detector.backward
     log, records = detector.log, detector.log.records
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
@@ -385,15 +386,15 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
 
     def hook(module, args, kwargs, output):
         if is_compiling():
-            # Inside a compiled graph only tensor math and list appends (no graph break),
-            # and only leaves: without identity tracking a container would re-check.
             if mode == CHECK_MODE and leaf:
-                for tensor in floating_tensors(output):
-                    if tensor.numel():
-                        log.values.extend(probe(tensor))
-                        log.records.append(compiled)
+                _compiled_call(log, compiled, output)
             return None
         log.calls += 1
+        if not detector.depth and not watch.armed:
+            # the script calls the model's modules itself (a Lightning training_step, a container of
+            # models): the first of them tells when the backward pass starts, as a root forward would,
+            # so that the gradients are taken as it leaves them, before clipping spreads a NaN
+            watch.forward_done(output)
         if type(output) is tensor_type and len(args) == 1 and not kwargs and type(args[0]) is tensor_type and \
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined
@@ -424,6 +425,15 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
         return _general_call(detector, slot, mode, passing, named, args, kwargs, output)
 
     return hook
+
+
+def _compiled_call(log: StepLog, compiled: Probe, output: Any) -> None:
+    """``forward_hook``'s work inside a compiled graph: only tensor math and list appends (no graph
+    break), and only for leaves (without identity tracking a container would check again)."""
+    for tensor in floating_tensors(output):
+        if tensor.numel():
+            log.values.extend(probe(tensor))
+            log.records.append(compiled)
 
 
 def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None, named: bool,

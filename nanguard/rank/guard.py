@@ -104,10 +104,10 @@ class Guard:
     # ------------------------------------------------------------------ public surface
     @property
     def step(self) -> int:
-        """Optimizer steps seen, a refused one included (with several optimizers, the steps of
-        the first one to step, the others' steps belonging to its last: ``StepClock``); between
-        steps, the 0-based index of the next step. Events carry the index of the step they
-        happened in."""
+        """Optimizer steps seen, a refused one and one a GradScaler skipped included (with several
+        optimizers, the steps of the first one to step, the others' steps belonging to its last:
+        ``StepClock``); between steps, the 0-based index of the next step. Events carry the index
+        of the step they happened in."""
         return self._clock.step
 
     @property
@@ -266,11 +266,19 @@ class Guard:
             self._clock.end(counted)
 
     def _after_scaler_update(self) -> None:
-        # a step the scaler skipped was never decided: decide it from the forward's checks
+        # a step the scaler skipped was never decided, nor counted: it counts, and is decided from
+        # the forward's checks (every rank's scaler skips the same steps: it reads summed gradients)
         stepped, self._clock.stepped = self._clock.stepped, False
-        if not stepped and not self._closed and self._detector.pending:
-            primary = self._clock.primary() if self._clock.primary is not None else None
-            self._decider.decide(primary, collective=True, gradients_too=False)
+        if stepped or self._closed:
+            return
+        counted = self._clock.skipped()
+        try:
+            if self._detector.pending:
+                primary = self._clock.primary() if self._clock.primary is not None else None
+                self._decider.decide(primary, collective=True, gradients_too=False)
+        finally:
+            self._clock.end(counted)
+            self._clock.stepped = False
 
 class GuardRegistry:
     """Which guard owns which module, and the process-wide guard of a bare ``init()``: hooks are

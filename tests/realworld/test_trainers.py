@@ -29,10 +29,14 @@ def no_hooks_left(model: nn.Module) -> bool:
 
 # ------------------------------------------------------------------ Lightning
 def lightning_script(*, poison_sample: int | None = 13, fault_weight_at: int | None = None, steps: int = 6,
-                     ckpt_path: str | None = None, max_steps: int | None = None):
+                     ckpt_path: str | None = None, max_steps: int | None = None, backward_fault_at: int | None = None,
+                     clip: float | None = None, scale: float | None = None):
     """The user's script: a LightningModule whose training_step calls its submodules (never its
-    own forward), on a loader whose sample ``poison_sample`` holds a NaN (batch 3 of size 4)."""
+    own forward), on a loader whose sample ``poison_sample`` holds a NaN (batch 3 of size 4);
+    ``backward_fault_at``: the backward of encoder.0's output makes NaN at that step; ``clip``: the
+    trainer clips gradients; ``scale``: 16-bit mixed precision, the GradScaler starting there."""
     import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
     from nanguard.integrations.lightning import NanguardCallback
 
@@ -50,17 +54,24 @@ def lightning_script(*, poison_sample: int | None = 13, fault_weight_at: int | N
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     class Watch(L.Callback):
-        """The test's own view: the state before every step, the batch it was given, and the fault."""
+        """The test's own view: the state before every step, the batch it was given, the fault, and
+        which gradients were non-finite before the trainer clipped them."""
 
         before: dict[int, StateBefore] = {}
         batches: dict[int, tuple] = {}
+        bad_before_clipping: dict[int, set[str]] = {}
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if trainer.global_step == fault_weight_at:
                 with torch.no_grad():
                     module.head.weight[0, 0] = math.inf
+            poison.fill_(math.nan if trainer.global_step == backward_fault_at else 1.0)
             self.before[trainer.global_step] = StateBefore(module, trainer.optimizers[0])
             self.batches[trainer.global_step] = batch
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.bad_before_clipping[trainer.global_step] = {
+                name for name, p in module.named_parameters() if p.grad is not None and not p.grad.isfinite().all()}
 
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
@@ -68,8 +79,11 @@ def lightning_script(*, poison_sample: int | None = 13, fault_weight_at: int | N
         x[poison_sample, 2] = math.nan
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     model, watch, callback = Classifier(), Watch(), NanguardCallback()
+    poison = poison_backward_of(model.encoder[0])
+    plugins = [] if scale is None else [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=scale))]
     trainer = L.Trainer(max_steps=max_steps or steps, accelerator="cpu", callbacks=[watch, callback], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=clip, plugins=plugins)
     try:
         trainer.fit(model, loader, ckpt_path=ckpt_path)
     except nanguard.NonFiniteError as err:
@@ -114,6 +128,29 @@ def test_lightning_replay_says_what_it_fed(monkeypatch):
     assert report["verdict"] == "reproducible"
     captured = read(err.incident).rank_batches(0)
     assert captured or "batch" not in report["message"], report["message"]
+
+
+def test_lightning_clipping_does_not_move_the_blame_of_a_backward_nan():
+    # training_step calls the submodules, so no forward of the guarded model runs: the gradients
+    # are still taken as the backward pass leaves them, before clip_grad_norm_ makes every one NaN
+    needs("lightning")
+    err, model, trainer, watch = lightning_script(poison_sample=None, backward_fault_at=BAD_STEP, clip=1.0)
+    assert err is not None
+    assert watch.bad_before_clipping[BAD_STEP] == {"encoder.0.weight", "encoder.0.bias"}
+    assert (err.event.step, err.event.kind) == (BAD_STEP, "grad")
+    assert err.event.layer in watch.bad_before_clipping[BAD_STEP], str(err.event)
+    assert_untouched(watch.before[BAD_STEP], model, trainer.optimizers[0])
+
+
+def test_lightning_16_mixed_counts_the_steps_its_scaler_skips_as_the_trainer_does():
+    # a scale far too high: the scaler skips the first steps (no optimizer.step()), which the
+    # trainer's global_step counts, up to the NaN batch
+    needs("lightning")
+    err, model, trainer, watch = lightning_script(scale=2.0**40)
+    assert err is not None
+    assert trainer.precision_plugin.scaler.get_scale() < 2.0**40
+    assert (err.event.step, err.event.kind, err.event.layer) == (BAD_STEP, "forward", "encoder.0")
+    assert trainer.global_step == BAD_STEP and err.incident.endswith(f"step{BAD_STEP}")
 
 
 def test_lightning_resumed_fit_counts_steps_from_the_checkpoint(tmp_path):

@@ -699,6 +699,37 @@ def test_grad_scaler_given_to_init_still_skips_overflows_but_stops_on_a_forward_
     assert "update" not in vars(scaler)  # close() gave the scaler its own update() back
 
 
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_steps_a_grad_scaler_skips_are_counted_as_the_loop_counts_them(two_optimizers):
+    """A scale far too high makes the scaler skip the first steps (no optimizer.step() runs); they
+    are steps all the same: an event carries the loop's iteration, an incident folder its number."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.01)] + (
+        [torch.optim.SGD(model[2].parameters(), lr=0.01)] if two_optimizers else [])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    with nanguard.init(model, optimizers if two_optimizers else optimizers[0], scaler=scaler,
+                       on_nan="warn") as guard:
+        taken = 0
+        for step in range(30):
+            x = torch.randn(16, 8)
+            if step in (3, 25):
+                x[0, 0] = math.nan
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.randint(0, 4, (16,)))
+            scaler.scale(loss).backward()
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scale = scaler.get_scale()
+            scaler.update()
+            taken += scaler.get_scale() >= scale  # (a skipped step halves the scale)
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            assert guard.step == step + 1
+        assert [(e.step, e.kind, e.layer) for e in guard.events] == [(3, "forward", "0"), (25, "forward", "0")]
+    assert 0 < taken < 25  # the scaler skipped the first steps, and stepped later ones
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda params: torch.optim.SGD(params, lr=0.1),
     lambda params: torch.optim.LBFGS(params, max_iter=3),  # calls the closure several times a step

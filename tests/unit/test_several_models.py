@@ -106,7 +106,7 @@ def test_a_loss_made_gradient_of_a_generator_is_not_blamed_on_its_backward(scope
         # the generator ran in the critic's step: nothing says what its gradient went through
         assert "its output was made earlier and used again" in event.message, event.message
     else:  # the critic's gradients, first in backward order, were bad too
-        assert not freeze and not scoped and event.kind == "loss", event
+        assert not freeze and event.kind == "loss", event
 
 
 def test_a_gradient_after_a_last_module_without_parameters_names_it_and_the_loss():

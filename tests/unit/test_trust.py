@@ -196,14 +196,23 @@ def test_an_activation_that_makes_the_first_inf_is_named_not_the_layer_after_it(
     assert [e.layer for e in guard.events] == ["act"]
 
 
+@pytest.mark.parametrize("calls", ["the model", "its modules"])
 @pytest.mark.parametrize("rewrite", ["clip_grad_norm_", "unscale"])
-def test_what_the_loop_does_to_gradients_after_backward_cannot_move_the_blame(rewrite):
+def test_what_the_loop_does_to_gradients_after_backward_cannot_move_the_blame(rewrite, calls):
+    # "its modules": the script calls them one by one, as a Lightning training_step calls a
+    # model's parts: the model's own forward never runs, yet its backward pass is still watched
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), GradFault(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanguard.init(model, optimizer) as guard:
         model[3].armed = True
-        model(torch.randn(4, 8)).sum().backward()
+        x = torch.randn(4, 8)
+        if calls == "the model":
+            x = model(x)
+        else:
+            for module in model:
+                x = module(x)
+        x.sum().backward()
         if rewrite == "clip_grad_norm_":
             # the total norm is NaN, so every gradient becomes NaN: the last layer's too
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
