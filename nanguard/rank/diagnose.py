@@ -550,12 +550,33 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         if type(module) in (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict):
             continue
         found.append(label or "the root module")
-        bad = _bad_state(log, by_name.get(label), recurse=False)
+        bad = " and ".join(filter(None, (_bad_state(log, by_name.get(label), recurse=False),
+                                         _uncalled_state(catalog, log, label))))
         if bad:
             blamed.append(f"{found[-1]}, whose {bad}")
     if blamed:
         return " or ".join(blamed)
     return " or ".join(found) or "the root module"
+
+
+def _uncalled_state(catalog: Catalog, log: StepLog, name: str) -> str:
+    """The non-finite parameters inside module ``name`` of modules that made no probe in this step
+    (as words to follow "whose"), or "": no forward of theirs was checked, so the code of a module
+    above them may use their parameters itself (Mamba's mixer hands its conv1d's weight to a
+    convolution function, never calling conv1d)."""
+    ran = set()  # modules that made a probe, and those around them (one returning its child's output makes none)
+    for record in log.records:
+        if record.role in (OUT, IN, LINK):
+            parts = catalog.slots[record.slot].name.split(".")
+            ran.update(".".join(parts[:k]) for k in range(len(parts) + 1))
+    bad = []
+    for info in catalog.slots:
+        module = info.module() if info.name not in ran and within(info.name, name) else None
+        if module is not None:
+            bad += [f"{info.name}.{p}"[len(name) + 1 if name else 0:]
+                    for p, param in module.named_parameters(recurse=False) if not forensics.is_finite(param)]
+    return (f"parameter(s) {', '.join(bad)}, of modules it did not call in this step (its own code may use"
+            " them), are non-finite") if bad else ""
 
 
 def _nan_argument(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], name: str,

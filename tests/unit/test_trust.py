@@ -1181,3 +1181,37 @@ def test_a_module_the_script_calls_after_the_models_forward_is_the_scripts_code(
     assert (event.layer, event.micro_batch) == ("encoder.0", None), event
     assert "the training script, outside the model (called outside the root module's forward" in event.message
     assert "forward code of the root module" not in event.message
+
+
+class Mixer(nn.Module):
+    """Mamba's mixer: its own code hands its conv1d's weight to a convolution function and never
+    calls conv1d (the CUDA kernels' path does the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(8, 8)
+        self.conv1d = nn.Conv1d(8, 8, 3, groups=8, padding=2)
+        self.x_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.in_proj(x).transpose(1, 2)
+        h = nn.functional.conv1d(h, self.conv1d.weight, self.conv1d.bias, padding=2, groups=8)[..., :x.shape[1]]
+        return self.x_proj(nn.functional.silu(h).transpose(1, 2))
+
+
+def test_a_bad_weight_of_a_child_its_parent_uses_without_calling_it_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(Mixer(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(3):
+                if step == 2:
+                    with torch.no_grad():
+                        model[0].conv1d.weight[0, 0, 0] = math.nan
+                model(torch.randn(2, 5, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    assert (event.step, event.layer, event.input_nonfinite) == (2, "0.x_proj", True), event
+    assert "in the forward code of 0, whose parameter(s) conv1d.weight, of modules it did not call" in event.message
