@@ -62,6 +62,8 @@ read (about 17 us inside a small MLP's step here) costs more than the memory it 
 (glibc serves small blocks from its heap; a fresh mapping of 512 KiB is ~128 page faults), unless
 they hold more than half the detail budget, which the next micro-batch needs"""
 _transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_graph_task = torch._C._current_graph_task_id
+"""-1 outside a backward pass"""
 
 
 def skipped(module: nn.Module, name: str, skip_types: Iterable[str | type], skip_modules: Iterable[str]) -> bool:
@@ -240,6 +242,7 @@ class Detector:
         log = self.log
         if not log.started:
             self.step_starts()
+        log.mark_backward(_graph_task() != -1)
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
@@ -303,6 +306,15 @@ class Detector:
                 self._kept_bytes -= kept.numel() * kept.element_size()
                 record.kept = None
         self._judged = len(records)
+
+    def called_outside(self, output: Any) -> None:
+        """A module returned ``output`` outside any root forward: the script calls the model's
+        modules itself (a Lightning ``training_step``, a container of models), or a backward pass
+        runs a checkpointed forward again. The first such call of a step's forward tells when the
+        backward pass starts, as a root forward would, so that the gradients are taken as it leaves
+        them (before clipping spreads a NaN); calls inside a backward pass are marked as such."""
+        if not self.log.mark_backward(_graph_task() != -1) and not self.backward.armed:
+            self.backward.forward_done(output)
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
@@ -378,7 +390,7 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
     A value passed on (by a finite-preserving module, or an input returned) is probed as evidence
     (``Probe.passed``) unless checked as an output already; a call taking evidence links to it (LINK)."""
     is_compiling = torch.compiler.is_compiling
-    add, seen, watch = detector._add, detector._seen, detector.backward
+    add, seen = detector._add, detector._seen
     log, records = detector.log, detector.log.records
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
@@ -390,11 +402,8 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
                 _compiled_call(log, compiled, output)
             return None
         log.calls += 1
-        if not detector.depth and not watch.armed:
-            # the script calls the model's modules itself (a Lightning training_step, a container of
-            # models): the first of them tells when the backward pass starts, as a root forward would,
-            # so that the gradients are taken as it leaves them, before clipping spreads a NaN
-            watch.forward_done(output)
+        if not detector.depth:
+            detector.called_outside(output)
         if type(output) is tensor_type and len(args) == 1 and not kwargs and type(args[0]) is tensor_type and \
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined

@@ -39,6 +39,10 @@ _SCATTERED = ("the gradients of a sharded model (FSDP2) are reduce-scattered acr
               " backward pass made them is not known")
 
 
+_RECOMPUTED = ("made in the backward pass, where activation checkpointing ran this forward again: the"
+               " step's forward pass had made no non-finite output before; what follows is of that run")
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     """A rank's first non-finite value of a step."""
@@ -110,7 +114,10 @@ def forward_fields(catalog: Catalog, log: StepLog, extremes: list[tuple[float, f
     record, pair = log.records[index], extremes[index]
     tensor = record.tensor()
     stats = forensics.describe(tensor) if tensor is not None else _from_extremes(record, pair)
-    return _explain(catalog, log, extremes, index, stats)
+    fields = _explain(catalog, log, extremes, index, stats)
+    if log.in_backward(first):
+        fields["message"] = _join(_RECOMPUTED, fields.get("message"))
+    return fields
 
 
 def _own_inputs(log: StepLog, index: int) -> list[int]:

@@ -321,6 +321,9 @@ class StepLog:
     """(first probe index, root slot, micro-batch) of every root forward"""
     span_ends: dict[int, int] = field(default_factory=dict)
     """the probe index where the forward of ``spans[k]`` returned, by k (when its end was seen)"""
+    recomputed: list[int] = field(default_factory=list)
+    """the probe indexes where module calls began and stopped being made inside a backward pass
+    (activation checkpointing runs forwards again there), alternately"""
     buckets: list[torch.Tensor] = field(default_factory=list)
     """probes of the gradients before they are summed across ranks (DDP buckets, FSDP2 reduce-scatters)"""
     bucket_groups: list[str] = field(default_factory=list)
@@ -348,7 +351,7 @@ class StepLog:
     these moved (a buffer first written in this step, or changed between its micro-batches)"""
 
     def clear(self) -> None:
-        for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.buckets,
+        for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
                      self.bucket_groups, self.batches):
             part.clear()
         self.value_slots.clear()
@@ -377,9 +380,22 @@ class StepLog:
 
     def micro_batch_of(self, index: int) -> int | None:
         """Which forward of its root (within the step) probe ``index`` was made in; None outside
-        any (before the first, or after one returned: the script called a module itself)."""
+        any (before the first, or after one returned: the script called a module itself). A probe
+        of a forward run again inside a backward pass is of the last forward before it, whose
+        backward that is."""
         position = bisect_right(self.spans, (index, math.inf, math.inf)) - 1
-        return self.spans[position][2] if position >= 0 and index < self.span_ends.get(position, math.inf) else None
+        inside = index < self.span_ends.get(position, math.inf) or self.in_backward(index)
+        return self.spans[position][2] if position >= 0 and inside else None
+
+    def mark_backward(self, backward: bool) -> bool:
+        """Notes whether the probes made from now on are made inside a backward pass; returns it."""
+        if backward != bool(len(self.recomputed) % 2):
+            self.recomputed.append(len(self.records))
+        return backward
+
+    def in_backward(self, index: int) -> bool:
+        """Whether probe ``index`` was made inside a backward pass (a checkpointed forward run again)."""
+        return bisect_right(self.recomputed, index) % 2 == 1
 
     def backward_order(self, slots: list[Slot]) -> list[int]:
         """Module slots in the order their gradients are produced: the reverse of the order in

@@ -1215,3 +1215,45 @@ def test_a_bad_weight_of_a_child_its_parent_uses_without_calling_it_is_named():
     event = info.value.event
     assert (event.step, event.layer, event.input_nonfinite) == (2, "0.x_proj", True), event
     assert "in the forward code of 0, whose parameter(s) conv1d.weight, of modules it did not call" in event.message
+
+
+class OnlyWhenRecomputed(nn.Module):
+    """Makes NaN only when a backward pass runs its forward again (the same operations either way,
+    as activation checkpointing requires)."""
+
+    armed = False
+
+    def forward(self, x):
+        return x * (math.nan if self.armed and torch._C._current_graph_task_id() != -1 else 1.0)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.fc1, self.fault, self.fc2, self.reentrant = nn.Linear(8, 8), OnlyWhenRecomputed(), nn.Linear(8, 8), reentrant
+
+    def inner(self, x):
+        return self.fc2(torch.tanh(self.fault(self.fc1(x))))
+
+    def forward(self, x):
+        return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_value_made_only_when_checkpointing_runs_a_forward_again_says_so(reentrant):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Checkpointed(reentrant), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                for micro in range(2):
+                    model[1].fault.armed = (step, micro) == (2, 1)
+                    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    # the micro-batch whose backward ran it again; not "outside the model", nor a forward that was finite
+    assert (event.kind, event.layer, event.step, event.micro_batch) == ("forward", "1.fault", 2, 1), event
+    assert event.message.startswith("made in the backward pass, where activation checkpointing ran this forward again")
+    assert "born in this module" in event.message
