@@ -185,7 +185,7 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         name = catalog.check_name(record.slot if record.role == CHECK else record.check)
         fields |= {"kind": "loss" if name == "loss" else "check", "layer": name}
         if record.role == CHECK:
-            return fields | {"micro_batch": None}
+            return fields | {"micro_batch": None, "message": _join(_checked_first(log, index), fields.get("message"))}
         owner = catalog.slots[record.slot]
         where = f"{record.field!r} of the output of {owner.name or 'the model'} ({owner.module_type})"
         return fields | {"output_field": record.field, "message": _join(
@@ -224,6 +224,17 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
                  f"its {bad}" if bad else None)
     return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
                      "message": _join(note, fields.get("message"))}
+
+
+def _checked_first(log: StepLog, index: int) -> str:
+    """Where a tensor given to ``Guard.check`` (record ``index``), the step's first non-finite value,
+    came from: the code that computed it, from module outputs checked finite, or from other inputs."""
+    if not any(record.role == OUT for record in log.records[:index]):
+        return ("no module output was checked before it in this step: it was made by the code that computed it,"
+                " or came with what that code took")
+    return ("every module output checked before it was finite: it was made by the code that computed it from"
+            " them (the loss function: a log of zero, a division by zero), or came with its other inputs (the"
+            " batch's targets, say)")
 
 
 def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None],

@@ -1257,3 +1257,29 @@ def test_a_value_made_only_when_checkpointing_runs_a_forward_again_says_so(reent
     assert (event.kind, event.layer, event.step, event.micro_batch) == ("forward", "1.fault", 2, 1), event
     assert event.message.startswith("made in the backward pass, where activation checkpointing ran this forward again")
     assert "born in this module" in event.message
+
+
+@pytest.mark.parametrize("forward_first", [True, False])
+def test_a_checked_loss_that_is_the_first_bad_value_says_where_it_can_come_from(forward_first):
+    # NaN targets are the common cause of a NaN loss with a finite model: the report must not be silent
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        targets = torch.randn(8, 1)
+        targets[2] = math.nan
+        if not forward_first:
+            guard.check((targets ** 2).mean(), "loss")  # checked before any forward of the step
+        loss = ((model(torch.randn(8, 4)) - targets) ** 2).mean()
+        if forward_first:
+            guard.check(loss)
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+    event = info.value.event
+    assert (event.kind, event.layer) == ("loss", "loss"), event
+    if forward_first:
+        assert event.message.startswith("every module output checked before it was finite")
+        assert "the batch's targets" in event.message
+    else:
+        assert event.message.startswith("no module output was checked before it in this step")
