@@ -212,7 +212,8 @@ class Slots:
         if places is None or like.dtype is not places.key[0] or like.device != places.key[1]:
             places = self._switch(like)
         used = places.used
-        places.room(used + 2, like)  # (more probes than any step before: a bigger buffer)
+        if used + 2 > len(places.views):
+            places.grow(2 * len(places.views), like)  # more probes than any step before
         places.used = used + 2
         self.used += 2
         if self._order:
