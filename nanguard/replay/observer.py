@@ -210,6 +210,8 @@ class Replay(StepObserver):
         self.batches = incident.rank_batches(self.rank, self.notes)
         self.rng = incident.rank_rng(self.rank)
         self._forwards = 0
+        self._handed_over = False
+        """a trainer handed the batch over (``batch_given``): its training_step takes it, not the model"""
         self.own_data = False
         """some of what the step was fed came from the script, not from the incident"""
         self._others: dict[str, int] = {}
@@ -400,7 +402,8 @@ class Replay(StepObserver):
 
     def _search(self) -> dict[str, Any]:
         """The bad samples of this rank's batch, or why they were not searched."""
-        why = _not_searchable(self._root, self.batches, self.incident.manifest["sharded"], self.world)
+        why = _not_searchable(self._root, self.batches, self.incident.manifest["sharded"], self.world,
+                              self._handed_over)
         if why is not None:
             return {"searched": False, "why_not": why}
         model = unwrap(self._root)
@@ -422,6 +425,7 @@ class Replay(StepObserver):
     def batch_given(self, root: nn.Module, batch: Any) -> None:
         """Fill the batch a trainer hands over with the captured micro-batch, in place (a trainer
         passes its own object on; only its contents can be replaced)."""
+        self._handed_over = True
         new = self._feed(root, (batch,), {})
         if new is None:
             return
@@ -464,10 +468,14 @@ def _skipped_names(root: nn.Module, settings: Settings, prefix: str = "") -> set
     return {name for name in names.values() if any(name == s or name.startswith(s + ".") for s in top)}
 
 
-def _not_searchable(root: nn.Module | None, batches: list[Any] | None, sharded: str | None, world: int
-                    ) -> str | None:
+def _not_searchable(root: nn.Module | None, batches: list[Any] | None, sharded: str | None, world: int,
+                    handed_over: bool = False) -> str | None:
     if batches is None:
         return "the batch was not captured (capture_batch=False)"
+    if handed_over:
+        return ("the batch came through begin_micro_batch (a Lightning training_step takes it, and calls the"
+                " model's modules): the search runs the model's own forward on parts of a batch, which this"
+                " batch is not made for")
     if incomplete(batches):
         return "the incident lacks part of the batch (see the notes), which the script's own values filled"
     if sharded:

@@ -115,6 +115,9 @@ def test_lightning_captures_the_batch_the_trainer_hands_over_and_replays_it(monk
     report = read(err.incident).replay_report()
     assert report["verdict"] == "reproducible", report["message"]
     assert report["trace"]["0"]["forward"][0]["module"] == "<the captured batch>"
+    # the model's own forward does not take the trainer's batch: no search of it, and why
+    assert report["samples"]["0"]["searched"] is False
+    assert "the batch came through begin_micro_batch" in report["samples"]["0"]["why_not"]
 
 
 def test_lightning_replay_says_what_it_fed(monkeypatch):
