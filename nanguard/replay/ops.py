@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,6 +97,8 @@ class OpWatch:
         self._mode: _Mode | None = None
         self._anomaly: Any = None
         self._paused = False
+        self._numbers: dict[int, weakref.ref] = {}
+        """non-finite tensors the code wrote as numbers (``torch.tensor(nan)``, ``x[0] = nan``: lifted)"""
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -169,9 +172,18 @@ class OpWatch:
         out = func(*args, **kwargs)
         self.checked += 1
         bad = _first_bad(out)
-        if bad is not None:
+        if bad is not None and name.startswith("aten::lift_fresh"):
+            self._numbers[id(bad)] = weakref.ref(bad)  # a number of the code's, made a tensor
+        elif bad is not None:
             self._judge(func, name, args, kwargs, before, bad)
         return out
+
+    def _number(self, value: Any) -> bool:
+        """A NaN the code gave as a number: a Python float, or a tensor lifted from one."""
+        if isinstance(value, float):
+            return math.isnan(value)
+        ref = self._numbers.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return ref is not None and ref() is value and bool(torch.isnan(value).all())
 
     def _judge(self, func, name: str, args: tuple, kwargs: dict, before: dict[str, Any],
                bad: torch.Tensor) -> None:
@@ -180,7 +192,8 @@ class OpWatch:
         if len(self.records[phase]) >= LIMIT:
             return
         inputs = _inputs(func, args, kwargs, before)
-        if not all(_finite(value) for _, value in inputs):
+        written = _nan_written(func, inputs, self._number)
+        if written is None and not all(_finite(value) for _, value in inputs):
             return  # it passed a non-finite value on: not where it was made
         who, frames = calling_frames()
         if who == NANGUARD:
@@ -190,7 +203,9 @@ class OpWatch:
             return
         described = [d for d in (describe_input(n, v) for n, v in inputs[:_MAX_INPUTS]) if d is not None]
         record = {"op": name, "phase": phase, "micro_batch": self.micro_batch(module), "module": module,
-                  "module_type": kind, "inputs": described, "why": why(name, described, bad.dtype),
+                  "module_type": kind, "inputs": described,
+                  "why": f"{written} is NaN, a number the code gave it to write" if written else why(
+                      name, described, bad.dtype),
                   "output": forensics.describe(bad)}
         if node is None:
             record.update(source=frames[0] if frames else None, stack=frames)
@@ -236,6 +251,18 @@ def _arguments(func, args: tuple, kwargs: dict):
             yield argument, args[index]
         elif argument.name in kwargs:
             yield argument, kwargs[argument.name]
+
+
+def _nan_written(func, inputs: list[tuple[str, Any]], number: Callable[[Any], bool]) -> str | None:
+    """The input that the code gave as a NaN number (``number``) to an operation that writes into
+    a tensor in place, its other inputs finite (``grad[0] = float("nan")`` in a custom backward):
+    it put the NaN there. A NaN number given to an operation that makes a new tensor
+    (``torch.full(shape, nan)``, a placeholder filled in later) is not blamed, nor an infinity (an
+    additive mask's -inf)."""
+    if not any(a.alias_info is not None and a.alias_info.is_write and not a.is_out for a in func._schema.arguments):
+        return None
+    numbers = [name for name, value in inputs if number(value)]
+    return numbers[0] if numbers and all(_finite(v) for n, v in inputs if n not in numbers) else None
 
 
 def _written(func, argument) -> bool:

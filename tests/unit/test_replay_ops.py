@@ -212,6 +212,8 @@ def test_what_the_operation_check_never_blames():
     try:
         scores = torch.randn(2, 3)
         scores.masked_fill(torch.tensor([[True, False, False]] * 2), -math.inf)  # a -inf scalar: not finite
+        scores.clone().masked_fill_(scores > 0, -math.inf)  # written in place, an infinity: a mask
+        torch.where(scores > 0, torch.tensor(math.nan), scores)  # a NaN number, but not written in place
         masked(scores)  # a skipped module may make -inf on purpose
         huge = torch.full((4,), 3e38)
         from nanguard.rank.detector import probe
@@ -234,3 +236,41 @@ def test_what_the_operation_check_never_blames():
 class Masker(nn.Module):
     def forward(self, x):
         return torch.log(x - x)  # -inf on purpose (skip_modules)
+
+
+class WritesNaN(torch.autograd.Function):
+    """A custom backward that writes a NaN literal into the gradient it passes on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")  # the NaN written
+        return grad
+
+
+class WritingNaN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return WritesNaN.apply(self.lin(x))
+
+
+def test_a_nan_number_written_in_place_is_where_the_nan_was_made(monkeypatch):
+    # the loss or this custom backward: the report hedges, the replay tells which (a NaN number
+    # handed to torch.full, a placeholder, is not blamed: see test_what_the_operation_check_never_blames)
+    def model():
+        return nn.Sequential(nn.Linear(8, 16), WritingNaN(), nn.Linear(16, 4))
+
+    err = run(model, labelled)
+    assert err is not None
+    report = replay(monkeypatch, err.incident, model, labelled)
+    op = report["operations"]["0"]["backward"][0]
+    assert op["op"] == "aten::copy_" and op["node"] == "WritesNaNBackward" and op["custom_backward"]
+    assert op["source"]["line"] == line_of(WritesNaN.backward, "the NaN written")
+    assert op["why"] == "src is NaN, a number the code gave it to write"
