@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from operator import is_
 
 import torch
 from torch import nn
 
 from .._tree import floating_tensors
 from . import forensics
-from .records import StepLog, gradless
+from .records import StepLog, gradless, version_of
 
 
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +159,21 @@ class BackwardWatch:
         self._queued = False
         if not self.attached() or not self.snapshot_gradients:
             return
-        self.log.produced = gradient_norms(self.params())
+        owners, norms = self.log.produced = gradient_norms(self.params())
+        grads = [p.grad for p in owners]
+        self.log.left = (grads, versions(grads))
+
+
+def versions(grads: list[torch.Tensor]) -> list[int]:
+    return [version_of(g) for g in grads]
+
+
+def as_left(owners: list[torch.Tensor], left: tuple[list[torch.Tensor], list[int]] | None) -> bool:
+    """Whether every gradient of ``owners`` is as the backward pass left it (``StepLog.left``)."""
+    if left is None:
+        return False
+    grads, then = left
+    return all(map(is_, (p.grad for p in owners), grads)) and versions(grads) == then
 
 
 def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -23,10 +23,10 @@ from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
 from . import diagnose, forensics
-from .backward import gradient_norms
+from .backward import as_left, gradient_norms
 from .detector import Detector
 from .diagnose import Finding
-from .records import Slots, concat, stack
+from .records import Slots, StepLog, concat, stack
 
 log = logging.getLogger("nanguard")
 
@@ -111,12 +111,16 @@ class Reading:
     """values read along for the flight recorder (the GradScaler's scale)"""
     buckets: list[float] = ()
     """minimum and maximum of every probe of the gradients before their sum across ranks"""
+    applied: list[float] = ()
+    """norms of the gradients as the optimizer is about to apply them, where they changed after the
+    backward pass left them (summed across ranks, clipped, unscaled, divided: ``changed_gradients``)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
               collectives: Collectives | None, *, early: bool, stop: bool, watches_buckets: bool,
               evidence: list[torch.Tensor] = (), buffers: list[torch.Tensor] = (),
-              extras: list[torch.Tensor] = (), slots: tuple[Slots, Slots] | None = None) -> Reading | None:
+              extras: list[torch.Tensor] = (), slots: tuple[Slots, Slots] | None = None,
+              applied: list[torch.Tensor] = ()) -> Reading | None:
     """Gather into one vector, all-reduce the flag (``collectives`` given: every rank is here), read once.
 
     ``early``: this rank already knows the step is bad; ``stop``: this rank was asked to stop.
@@ -125,7 +129,7 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     is nothing to read and no one to agree with.
     """
     probe_slots, evidence_slots = slots if slots is not None else (Slots(), Slots())
-    others = list(norms) + list(buckets) + list(buffers)
+    others = list(norms) + list(applied) + list(buckets) + list(buffers)
     faults = len(probes) + len(others)
     pieces = [piece for piece in (probe_slots.vector(probes, others), evidence_slots.vector(list(evidence)),
                                   stack(list(extras)) if extras else None)
@@ -147,10 +151,11 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
     else:
         bad = early or not all(map(math.isfinite, values[:faults]))
     split, end, tail = len(probes) + len(norms), faults - len(buffers), len(values) - len(extras)
+    mid = split + len(applied)
     return Reading(bad, stop, probe_slots.in_order(values[:len(probes)]), values[len(probes):split],
                    evidence_slots.in_order(values[faults:tail]),
-                   not all(map(math.isfinite, values[split:end])) if watches_buckets else None,
-                   values[end:faults], values[tail:], values[split:end])
+                   not all(map(math.isfinite, values[mid:end])) if watches_buckets else None,
+                   values[end:faults], values[tail:], values[mid:end], values[split:mid])
 
 
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
@@ -167,6 +172,16 @@ def agree(collectives: Collectives | None, local: Finding | None) -> Finding | N
         return None
     return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
                                           f.position or (math.inf, math.inf), not f.own_state, f.event.rank))
+
+
+def changed_gradients(owners: list[torch.Tensor], log: StepLog) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, norms of their gradients as they are now) where the gradients the backward pass
+    left (``StepLog.produced``) changed since, else nothing: the optimizer applies what they are
+    now. DDP's sum across ranks (an overflow, fp16 compression), clipping, unscaling or the script's
+    own division can make a finite gradient non-finite after the backward pass."""
+    if log.produced is None or as_left(owners, log.left):
+        return [], []
+    return gradient_norms(owners)
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -212,13 +227,14 @@ class Decider:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
         owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
+        later, applied = changed_gradients(owners, detector.log) if gradients_too else ([], [])
         written = detector.buffers.written()
         reading = read_step(detector.log.values, norms,
                             detector.log.buckets if gradients_too else [], collectives,
                             early=self._early is not None, stop=self.respond.reporter.stop_requested,
                             watches_buckets=detector.backward.watched(), evidence=detector.log.evidence,
                             buffers=detector.buffers.probes(written), extras=self.respond.extras(),
-                            slots=(detector.log.value_slots, detector.log.evidence_slots))
+                            slots=(detector.log.value_slots, detector.log.evidence_slots), applied=applied)
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],
@@ -237,7 +253,7 @@ class Decider:
             self._report_step(reading.stop)
             return
         if reading.bad:
-            first = self._agreed(reading, owners, written, collectives)
+            first = self._agreed(reading, owners, written, collectives, later)
             if first is not None:
                 # in the flight recorder before a capture writes it
                 self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
@@ -258,11 +274,13 @@ class Decider:
         self._clean(reading.stop)
 
     def _agreed(self, reading: Reading, owners: list[torch.Tensor], written: list,
-                collectives: Collectives | None) -> Finding | None:
+                collectives: Collectives | None, later: list[torch.Tensor]) -> Finding | None:
         """The job's first finding of a bad step: this rank's diagnosis, agreed on by every rank;
-        this rank's own, when another rank's is the job's, is noted beside it."""
+        this rank's own, when another rank's is the job's, is noted beside it. ``later``: the
+        parameters of ``reading.applied``."""
         grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
-        local = self._take_early() if self._early is not None else self._diagnose(reading, owners, grads, written)
+        local = self._take_early() if self._early is not None else self._diagnose(
+            reading, owners, grads, written, later)
         first = agree(collectives, local)
         if first is not None and local is not None and first.event.rank != local.event.rank:
             if first.position is not None and local.position is not None and first.position < local.position:

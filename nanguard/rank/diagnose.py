@@ -62,12 +62,13 @@ class Finding:
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
               owners: list[torch.Tensor] = (), grads: list[torch.Tensor] = (),
-              written: list[tuple[str, torch.Tensor]] = ()) -> Finding | None:
+              written: list[tuple[str, torch.Tensor]] = (), later: list[torch.Tensor] = ()) -> Finding | None:
     """The step's first non-finite value: a module output or a checked tensor, else a buffer the
-    forward wrote, else a parameter gradient. ``reading``: what the decision read;
-    ``owners``/``grads``: the parameters that have a gradient and those gradients; ``written``:
-    the buffers the step wrote, by name. None when nothing is bad (a norm that overflowed on finite
-    values)."""
+    forward wrote, else a parameter gradient as the backward pass left it, else one made
+    non-finite after it. ``reading``: what the decision read; ``owners``/``grads``: the parameters
+    that have a gradient and those gradients; ``written``: the buffers the step wrote, by name;
+    ``later``: the parameters of ``reading.applied``. None when nothing is bad (a norm that
+    overflowed on finite values)."""
     extremes = log.extremes(reading.probes, reading.evidence)
     first = _first_bad_output(log, extremes)
     if first is not None:
@@ -86,7 +87,10 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     if group is not None:  # FSDP2: where this rank's own gradients were bad, whatever its shards hold
         fields = _group_fields(catalog, log, group, fields, owners, reading.norms)
     if fields is None:
-        return None
+        # after the sum across ranks, a NaN another rank's backward made is that rank's to report
+        summed = reading.local_grads_bad is not None
+        fields = _changed_after_backward(catalog, log, later, reading.applied, summed)
+        return Finding(make(fields), born_here=not summed) if fields is not None else None
     local_grads_bad = reading.local_grads_bad
     if local_grads_bad is None and any(_sharded(p) for p in owners):
         fields["message"] = f"{fields['message']}; {_SCATTERED}"
@@ -382,23 +386,13 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
     """Event fields of the first non-finite parameter gradient in backward order, or None.
 
     ``norms`` are the gradients' norms as the backward pass left them (the training loop may have
-    clipped or unscaled them since: a clipped NaN spreads to every gradient). A NaN norm means a
-    NaN gradient; an infinite one, an Inf or an overflow of huge finite values, which only the
-    gradient itself can tell apart.
-    """
-    bad = [(p, g) for p, g, n in zip(owners, grads, norms) if math.isnan(n) or (
-        not math.isfinite(n) and (g is None or not forensics.is_finite(g)))]
+    clipped or unscaled them since: a clipped NaN spreads to every gradient)."""
+    bad, order = _bad_gradients(catalog, log, owners, grads, norms)
     if not bad:
         return None  # norms that overflowed on finite gradients
-    order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
-    bad.sort(key=lambda pg: order.get(_owner(catalog, pg[0]), len(order)))
-    param, grad = bad[0]
-    slot = _owner(catalog, param)
-    names = [catalog.param_name(p) for p, _ in bad]
-    fields = {"kind": "grad", "layer": names[0],
-              "module_type": catalog.slots[slot].module_type if slot is not None else "",
-              **(forensics.describe(grad) if grad is not None else {"has_nan": True}),
-              "extra": {"bad_params": names[:16]}}
+    fields = _gradient_event(catalog, bad)
+    names = fields["extra"]["bad_params"]
+    slot = _owner(catalog, bad[0][0])
     counted = f"{len(bad)} of {len(grads)} parameter gradients are non-finite"
     if not any(record.role == OUT for record in log.records):
         # no module output of this step was checked: nothing says the forward was finite
@@ -425,6 +419,47 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                                     " is not known here: it was born in that backward pass, or came in with"
                                     " the loss's gradient"}
     return fields | {"message": f"{counted}, this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"}
+
+
+def _bad_gradients(catalog: Catalog, log: StepLog, owners: list[torch.Tensor], grads: list[torch.Tensor | None],
+                   norms: list[float]) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], dict[int, int]]:
+    """(the (parameter, gradient) pairs whose gradient is non-finite, in backward order; that order,
+    module slot to place). A NaN norm means a NaN gradient; an infinite one, an Inf or an overflow
+    of huge finite values, which only the gradient itself can tell apart."""
+    bad = [(p, g) for p, g, n in zip(owners, grads, norms) if math.isnan(n) or (
+        not math.isfinite(n) and (g is None or not forensics.is_finite(g)))]
+    order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))} if bad else {}
+    bad.sort(key=lambda pg: order.get(_owner(catalog, pg[0]), len(order)))
+    return bad, order
+
+
+def _gradient_event(catalog: Catalog, bad: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, Any]:
+    """Event fields of the first of ``bad`` gradients, the others' names beside it."""
+    param, grad = bad[0]
+    slot = _owner(catalog, param)
+    names = [catalog.param_name(p) for p, _ in bad]
+    return {"kind": "grad", "layer": names[0], "module_type": catalog.slots[slot].module_type if slot is not None else "",
+            **(forensics.describe(grad) if grad is not None else {"has_nan": True}), "extra": {"bad_params": names[:16]}}
+
+
+def _changed_after_backward(catalog: Catalog, log: StepLog, owners: list[torch.Tensor], norms: list[float],
+                            summed: bool) -> dict[str, Any] | None:
+    """Event fields of the gradients the optimizer is about to apply, non-finite though every one
+    was finite as the backward pass left them; None if none is. ``summed``: this rank's gradients
+    are summed across ranks after the backward pass (DDP)."""
+    grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
+    bad, _ = _bad_gradients(catalog, log, owners, grads, norms)
+    if not bad:
+        return None
+    fields = _gradient_event(catalog, bad)
+    fields["extra"]["after_backward"] = True
+    by = ("the sum across ranks (an all-reduce whose sum overflowed, a communication hook such as fp16"
+          " compression) or the script's own code there" if summed else "the script's own code there")
+    return fields | {"message": (
+        f"{len(bad)} of {len(grads)} parameter gradients are non-finite as the optimizer is about to apply them,"
+        f" {fields['layer']} first in backward order, though every gradient was finite as the backward pass left"
+        f" it: they were made non-finite after it, before the optimizer step, by {by} (unscaling, clipping, a"
+        " division by a count that was zero)")}
 
 
 def _first_bad_group(log: StepLog, buckets: list[float]) -> tuple[str, bool] | None:

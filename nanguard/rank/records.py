@@ -335,6 +335,10 @@ class StepLog:
     input buffer) from what the forward was fed"""
     produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """(parameters, the norms of their gradients) as the last backward pass left them"""
+    left: tuple[list[torch.Tensor], list[int]] | None = None
+    """(those gradients, their in-place versions) then: the optimizer applies what the norms
+    measured only while each is the same tensor, unchanged (not summed across ranks, clipped,
+    unscaled or divided since)"""
     loss_at: int | None = None
     """where the tensor checked as "loss" is in ``values``, for the flight recorder"""
     value_slots: Slots = field(default_factory=Slots)
@@ -357,7 +361,7 @@ class StepLog:
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()
-        self.produced = self.loss_at = None
+        self.produced = self.left = self.loss_at = None
         self.calls = 0
         self.started = False
         self.buffers_at_start, self.buffer_versions = {}, {}

@@ -112,6 +112,21 @@ def test_ddp_nan_born_in_backward_on_one_rank(torchrun):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault, extra, rank", [
+    ("after-backward", (), 1),  # rank 1's script divides a gradient by 0 after backward()
+    ("backward-huge", ("--fp16-hook",), 0),  # a finite float32 gradient overflows in fp16 compression
+], ids=["script", "fp16 compression"])
+def test_ddp_gradients_made_non_finite_after_the_backward_pass_are_never_applied(torchrun, fault, extra, rank):
+    job = torchrun.standalone("ddp_train.py", "--fault", fault, "--fault-rank", "1", "--fault-step", "5",
+                              "--steps", "8", *extra)
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert (event["kind"], event["rank"], event["extra"]["after_backward"]) == ("grad", rank, True), event
+    assert "finite as the backward pass left it" in event["message"]
+    if fault == "after-backward":
+        assert event["layer"] == "blocks.1.fc.weight"
+
+
+@pytest.mark.timeout(180)
 def test_ddp_skip_policy_drops_the_bad_update_and_goes_on(torchrun):
     steps, bad = 10, 5
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",

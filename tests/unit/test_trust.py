@@ -1283,3 +1283,29 @@ def test_a_checked_loss_that_is_the_first_bad_value_says_where_it_can_come_from(
         assert "the batch's targets" in event.message
     else:
         assert event.message.startswith("no module output was checked before it in this step")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_gradient_the_script_makes_non_finite_after_backward_is_never_applied(clip):
+    # a per-batch normalisation by a token count that was 0: the backward pass left finite
+    # gradients, the optimizer would apply an infinite one
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                model(torch.randn(4, 8)).sum().backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # every step: finite stays finite
+                if step == 2:
+                    model[0].weight.grad.div_(0.0)
+                before = [p.detach().clone() for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad()
+        assert guard.step == 3
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("grad", "0.weight", 2), event
+    assert event.extra["after_backward"] is True and "finite as the backward pass left it" in event.message
+    assert "sum across ranks" not in event.message  # one process: nothing summed it
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -25,7 +25,7 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward", "backward-one", "kill", "weight")
+FAULTS = ("none", "forward", "input", "backward", "backward-one", "backward-huge", "after-backward", "kill", "weight")
 
 
 # --------------------------------------------------------------------------- faults
@@ -52,6 +52,14 @@ class _OneNaNGrad(_NaNGrad):
         return grad
 
 
+class _HugeGrad(_NaNGrad):
+    """The backward makes the gradient huge but finite in float32: 1e9 times, past float16's range."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e9
+
+
 class Fault(nn.Module):
     """A parameter-free leaf module that misbehaves only while ``mode`` is set."""
 
@@ -66,6 +74,8 @@ class Fault(nn.Module):
             return _NaNGrad.apply(x)
         if self.mode == "backward-one":
             return _OneNaNGrad.apply(x)
+        if self.mode == "backward-huge":
+            return _HugeGrad.apply(x)
         return x
 
 
@@ -174,6 +184,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the fault hits every step from --fault-step up to this one, excluded (a storm)")
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--synced", action="store_true", help="a cross-rank mean (SyncMean) before the head")
+    p.add_argument("--fp16-hook", action="store_true", help="DDP's fp16_compress_hook sums the gradients")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
@@ -235,6 +246,8 @@ def run(args: argparse.Namespace, wrap) -> int:
                     loss = nn.functional.cross_entropy(model(x), y) / args.accum
                     loss.backward()
                 fault_module.mode = None
+            if faulty and step == args.fault_step and args.fault == "after-backward":
+                net.blocks[1].fc.weight.grad.div_(0.0)  # the script's own division by a count that was 0
             # snapshot right before the step: an error must leave exactly this state behind
             before = {"weights": weights_digest(model), "optim": optim_digest(optimizer)}
             optimizer.step()

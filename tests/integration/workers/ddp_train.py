@@ -8,6 +8,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 def wrap(net):
     model = DistributedDataParallel(net)
+    if "--fp16-hook" in sys.argv:  # registered after nanguard's own would be too (it is called by it)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
     return model, model.no_sync
 
 
