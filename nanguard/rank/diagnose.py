@@ -39,6 +39,8 @@ _SCATTERED = ("the gradients of a sharded model (FSDP2) are reduce-scattered acr
               " backward pass made them is not known")
 
 
+_LOSS_ACROSS_RANKS = ("with several ranks, that loss may hold another rank's values (an all_gather of"
+                      " every rank's outputs, in a contrastive loss), which its backward sends back here")
 _RECOMPUTED = ("made in the backward pass, where activation checkpointing ran this forward again: the"
                " step's forward pass had made no non-finite output before; what follows is of that run")
 
@@ -95,12 +97,27 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     if local_grads_bad is None and any(_sharded(p) for p in owners):
         fields["message"] = f"{fields['message']}; {_SCATTERED}"
         return Finding(make(fields), born_here=False)
+    position = _backward_position(catalog, log, owners, fields)
     if local_grads_bad is None:
-        return Finding(make(fields))
+        return Finding(make(fields), position=position)
     fields["extra"]["born_here"] = local_grads_bad
     if not local_grads_bad:  # not this rank's loss: what the all-reduce brought in
         fields |= {"kind": "grad", "message": f"{fields['message']}; {_FROM_OTHER_RANK}"}
-    return Finding(make(fields), born_here=local_grads_bad)
+    elif fields["kind"] == "loss":
+        fields["message"] = f"{fields['message']}; {_LOSS_ACROSS_RANKS}"
+    return Finding(make(fields), born_here=local_grads_bad, position=position)
+
+
+def _backward_position(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
+                       fields: dict[str, Any]) -> tuple[float, int] | None:
+    """Where in the backward pass a gradient finding's first bad gradient was made, comparable
+    between ranks of one model (after every forward position): a NaN that a collective inside the
+    backward (a synchronised norm's) hands to another rank shows there later in backward order."""
+    first = fields["extra"]["bad_params"][0]
+    param = next((p for p in owners if catalog.param_name(p) == first), None)
+    slot = _owner(catalog, param) if param is not None else None
+    order = log.backward_order(catalog.slots)
+    return (math.inf, order.index(slot)) if slot in order else None
 
 
 def _first_bad_output(log: StepLog, extremes: list[tuple[float, float] | None]) -> int | None:

@@ -127,6 +127,16 @@ def test_ddp_gradients_made_non_finite_after_the_backward_pass_are_never_applied
 
 
 @pytest.mark.timeout(180)
+def test_ddp_a_nan_that_a_collective_in_the_backward_spreads_is_named_on_the_rank_it_was_born(torchrun):
+    # a cross-rank mean after embed, whose backward all-reduces gradients (a synchronised norm's
+    # does): rank 1's NaN, born in blocks.1's backward, reaches rank 0's embed gradient through it
+    job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1", "--fault-step", "5",
+                              "--steps", "8", "--sync-grad")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert (event["kind"], event["rank"], event["layer"]) == ("grad", 1, "blocks.1.fc.weight"), event
+
+
+@pytest.mark.timeout(180)
 def test_ddp_skip_policy_drops_the_bad_update_and_goes_on(torchrun):
     steps, bad = 10, 5
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",

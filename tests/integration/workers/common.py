@@ -100,15 +100,27 @@ class SyncMean(nn.Module):
         return x - mean / dist.get_world_size()
 
 
+class GradSyncMean(nn.Module):
+    """A cross-rank mean that autograd follows (torch.distributed.nn's all_reduce), as a
+    synchronised batch norm's statistics are: its backward all-reduces gradients too, and so hands
+    a NaN born in one rank's backward to the others."""
+
+    def forward(self, x):
+        from torch.distributed.nn.functional import all_reduce
+
+        return x - all_reduce(x.mean(0)) / dist.get_world_size()
+
+
 class Net(nn.Module):
-    def __init__(self, width: int = WIDTH, synced: bool = False):
+    def __init__(self, width: int = WIDTH, synced: bool = False, sync_grad: bool = False):
         super().__init__()
         self.embed = nn.Linear(8, width)
+        self.sync = GradSyncMean() if sync_grad else nn.Identity()
         self.blocks = nn.Sequential(Block(width), Block(width))
         self.head = nn.Sequential(SyncMean(), nn.Linear(width, 4)) if synced else nn.Linear(width, 4)
 
     def forward(self, x):
-        return self.head(self.blocks(self.embed(x)))
+        return self.head(self.blocks(self.sync(self.embed(x))))
 
 
 #: the qualified name (no DDP/FSDP prefix) of the module the forward/backward faults live in
@@ -185,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--synced", action="store_true", help="a cross-rank mean (SyncMean) before the head")
     p.add_argument("--fp16-hook", action="store_true", help="DDP's fp16_compress_hook sums the gradients")
+    p.add_argument("--sync-grad", action="store_true",
+                   help="a cross-rank mean after embed whose backward all-reduces gradients (GradSyncMean)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
@@ -210,7 +224,7 @@ def run(args: argparse.Namespace, wrap) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    net = Net(synced=args.synced)
+    net = Net(synced=args.synced, sync_grad=args.sync_grad)
     model, no_sync = wrap(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
