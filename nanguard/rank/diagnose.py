@@ -493,20 +493,23 @@ def _first_bad_group(log: StepLog, buckets: list[float]) -> tuple[str, bool] | N
 def _group_fields(catalog: Catalog, log: StepLog, group: tuple[str, bool], fields: dict[str, Any] | None,
                   owners: list[torch.Tensor], norms: list[float]) -> dict[str, Any] | None:
     """The gradient event of an FSDP2 rank whose own gradients of module ``group`` were bad before
-    the reduce-scatter: ``fields`` when its first bad shard is that module's (or the loss's), else
-    that module's first parameter in backward order, named as one of them: the bad values went to
-    other ranks' shards, and which of its parameters held them is not known here."""
+    the reduce-scatter: ``fields`` when its first bad shard is that module's first parameter in
+    backward order (or the loss's), else that module's first parameter, named as one of them: the
+    bad values may have gone to other ranks' shards (a finite shard of a parameter before it says
+    nothing of its whole gradient), and which of its parameters held them is not known here."""
     name, nan = group
     groups = sorted(set(log.bucket_groups), key=len, reverse=True)
 
     def group_of(param: str) -> str:
         return next((g for g in groups if within(param, g)), "")
 
-    if fields is not None and (fields["kind"] == "loss" or group_of(fields["layer"]) == name):
-        return fields
     order = {slot: i for i, slot in enumerate(log.backward_order(catalog.slots))}
     members = sorted((p for p in owners if group_of(catalog.param_name(p)) == name),
                      key=lambda p: order.get(_owner(catalog, p), len(order)))
+    first = next((p for p in owners if fields is not None and catalog.param_name(p) == fields["layer"]), None)
+    if fields is not None and (fields["kind"] == "loss" or (
+            members and first is not None and _owner(catalog, first) == _owner(catalog, members[0]))):
+        return fields
     if not members:
         return fields
     slot = _owner(catalog, members[0])
@@ -517,8 +520,8 @@ def _group_fields(catalog: Catalog, log: StepLog, group: tuple[str, bool], field
             "has_nan": nan, "extra": {"bad_params": names[:16]},
             "message": f"this rank's own gradients of {name or 'the root module'} (fully_shard-ed: {', '.join(names[:4])}"
                        f"{' ...' if len(names) > 4 else ''}) were non-finite before FSDP's reduce-scatter, the first"
-                       " module's to be; this rank's shards of them are finite (the bad values went to other ranks'"
-                       f" shards), so which of its parameters is not known here: {where}"}
+                       " module's to be; each one's bad values went to whichever rank's shard holds their rows, so"
+                       f" this rank's shards do not tell which of its parameters held them: {where}"}
 
 
 def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Tensor], norms: list[float],

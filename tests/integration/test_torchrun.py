@@ -220,6 +220,9 @@ def test_fsdp2_forward_nan_stops_every_rank_before_the_update(torchrun):
     ("weight", "forward", 1, "blocks.1.fc", "parameter(s) weight are non-finite"),
     # a team's own reduce-scatter is left alone: which rank made it cannot be told, and is not
     ("backward --own-reduce-scatter", "grad", 0, "blocks.1.fc.weight", "made them is not known"),
+    # one unit of two Linears: rank 1's shard of blocks.1.fc is finite (the NaN row is rank 0's), its
+    # shard of blocks.0.fc is not; the unit's first Linear in backward order is named, and hedged
+    ("backward-one --blocks-one-unit", "grad", 1, "blocks.1.fc.weight", "do not tell which of its parameters"),
 ])
 def test_fsdp2_nan_of_one_rank_is_named_on_that_rank(torchrun, fault, kind, rank, layer, said):
     job = torchrun.standalone("fsdp_train.py", "--fault", *fault.split(), "--fault-rank", "1",

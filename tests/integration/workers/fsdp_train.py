@@ -9,6 +9,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 
 OWN = "--own-reduce-scatter" in sys.argv
+ONE_UNIT = "--blocks-one-unit" in sys.argv  # both blocks (two Linears) in one fully_shard unit
 
 
 class OwnReduceScatter(DefaultReduceScatter):
@@ -16,16 +17,17 @@ class OwnReduceScatter(DefaultReduceScatter):
 
 
 def wrap(net):
-    for block in net.blocks:
+    for block in [net.blocks] if ONE_UNIT else net.blocks:
         fully_shard(block)
     fully_shard(net)
     if OWN:
-        for module in (*net.blocks, net):
+        for module in ([net.blocks] if ONE_UNIT else [*net.blocks]) + [net]:
             module.set_custom_reduce_scatter(OwnReduceScatter())
     return net, contextlib.nullcontext
 
 
 if __name__ == "__main__":
-    if OWN:
-        sys.argv.remove("--own-reduce-scatter")  # (not one of common.parser()'s)
+    for flag in ("--own-reduce-scatter", "--blocks-one-unit"):  # (not common.parser()'s)
+        if flag in sys.argv:
+            sys.argv.remove(flag)
     sys.exit(common.main(wrap))
