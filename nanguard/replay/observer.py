@@ -382,6 +382,11 @@ class Replay(StepObserver):
             self.own_data = True
             notes.append("the model's root module ran no forward in this step (the script called its modules"
                          " directly): no batch was captured or fed, the script's own inputs were used")
+        elif self.batches is not None and self._forwards < len(self.batches):
+            self.own_data = True  # what the step was fed is not all the incident holds
+            notes.append(f"the script ran {self._forwards} forward(s) of the model in this step, the incident"
+                         f" captured {len(self.batches)}: micro-batch(es) {self._forwards} to {len(self.batches) - 1}"
+                         " were never fed (replay with the run's gradient accumulation)")
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,

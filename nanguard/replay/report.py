@@ -81,9 +81,10 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
                 f" {original.rank}'s hardware (NANGUARD_REPLAY_RANK={original.rank} replays that rank)")
     if own_data:
         found = "the step ran clean" if event is None else f"the replay found a different first event ({event})"
-        return (f"{found}, but not on all of the step's own data: the script's own inputs took the place"
-                " of what the incident does not hold (see the notes). The original"
-                f" {where} may have come with that data, so this replay says nothing of the hardware")
+        return (f"{found}, but not on the step's own data alone: the script's own inputs took the place"
+                " of what the incident does not hold, or some of its micro-batches were never fed (see the"
+                f" notes). The original {where} may have come with that data, so this replay says nothing"
+                " of the hardware")
     if event is None:
         return (f"the step ran clean with the captured weights, batch and random state, so the "
                 f"original {where} did not recur: suspect a transient fault of the hardware that ran"

@@ -185,6 +185,19 @@ def test_nan_in_micro_batch_3_of_4(monkeypatch):
     assert report["first_event"]["micro_batch"] == 2
 
 
+def test_a_replay_that_feeds_fewer_micro_batches_than_captured_blames_no_hardware(monkeypatch):
+    # the bad micro-batch (2 of 4) is never fed by a script that accumulates 2: the step runs
+    # clean, which says nothing of the device that ran the original
+    before, err = train(nn.Linear(16, 16), accumulate=4, huge_at=(4, 2))
+    assert err is not None and err.event.micro_batch == 2
+    report = replay(monkeypatch, err.incident, nn.Linear(16, 16), accumulate=2)
+    assert report["verdict"] == "not_reproducible"
+    assert report["own_data"] is True and report["suspects"] == [], report["message"]
+    assert "hardware" not in report["message"].replace("says nothing of the hardware", "")
+    assert any("micro-batch(es) 2 to 3 were never fed" in note for note in report["notes"]), report["notes"]
+    assert report["devices"]["finding"] == "not_compared"
+
+
 def test_transient_fault_is_not_reproducible(monkeypatch, capsys):
     Transient.fired = False
     before, err = train(Transient(16, at_step=7))
