@@ -164,9 +164,15 @@ def compare(original: dict[str, Any], runs: list[dict[str, Any]], near_limit: bo
     clean_elsewhere = [r for r in elsewhere if not r["bad"]]
     bad_on_original = [r for r in runs if same(original, r) and r["bad"]]
     where = label(original)
-    if bad_elsewhere:
-        finding, message = "code_or_data", (f"bad on the original device and again on {label(bad_elsewhere[-1])}:"
-                                            " the code or the data, not the device")
+    if same(original, here) and not here["bad"] and bad_on_original:
+        # never "bad again" of a replay that ran clean: the script may have been mended since the earlier one
+        finding, message = "undecided", (f"clean on the original device, {where}, this time; an earlier replay"
+                                         " there was bad: the code or the data changed since, or the fault comes"
+                                         " and goes")
+    elif bad_elsewhere:
+        finding, message = "code_or_data", (f"bad on the original device and again on {label(bad_elsewhere[-1])}"
+                                            f"{'' if bad_elsewhere[-1] is here else ' (an earlier replay)'}: the code or the"
+                                            " data, not the device")
     elif clean_elsewhere and bad_on_original:
         finding, message = "device", (f"bad again on the original device, {where}, and clean on "
                                       f"{label(clean_elsewhere[-1])}: that device is at fault")

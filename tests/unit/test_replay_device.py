@@ -98,7 +98,10 @@ def test_what_the_replays_say_of_the_device():
     cases = [([{**there, "bad": True}, {**elsewhere, "bad": False}], "device", "bad again on the original"),
              ([{**there, "bad": True}], "undecided", "replay on another device"),
              ([{**there, "bad": False}], "undecided", "a transient fault or non-determinism"),
-             ([{**elsewhere, "bad": True}], "code_or_data", "not the device")]
+             ([{**elsewhere, "bad": True}], "code_or_data", "not the device"),
+             # a replay that ran clean is never said to be bad again (the script was mended between)
+             ([{**there, "bad": True}, {**there, "bad": False}], "undecided", "this time; an earlier replay"),
+             ([{**elsewhere, "bad": True}, {**elsewhere, "bad": False}], "code_or_data", "(an earlier replay)")]
     for runs, finding, words in cases:
         result = devices.compare(original, runs, near_limit=False)
         assert result["finding"] == finding and words in result["message"], result["message"]
