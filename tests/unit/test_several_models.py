@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import nanguard
+from nanguard.errors import IncidentError
 from nanguard.incident import read_incident
 from test_guard import GradFault
 from test_replay import REPO
@@ -341,6 +343,36 @@ def test_fsdp2_on_one_rank_claims_nothing_of_other_ranks(tmp_path, own_comm):
     assert event.kind == "grad" and event.layer == "0.weight", event
     assert "born in the backward pass between the gradients of 2 (finite) and this one" in event.message
     assert "rank" not in event.message, event.message
+
+
+@pytest.mark.parametrize("made, replayed", [("fsdp2", "plain"), ("plain", "fsdp2")])
+def test_an_incident_replayed_with_the_model_wrapped_another_way_is_refused_clearly(tmp_path, monkeypatch,
+                                                                                   made, replayed):
+    # FSDP2's DTensor shards against whole tensors: the loader's own error was a raw torch one
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def script():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), GradFault(), nn.Linear(8, 2))
+        if (made if "NANGUARD_REPLAY" not in os.environ else replayed) == "fsdp2":
+            fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanguard.init(model, optimizer):
+            model[1].armed = True
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+
+    monkeypatch.setenv("NANGUARD_DIR", str(tmp_path / "incidents"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            script()
+        monkeypatch.setenv("NANGUARD_REPLAY", info.value.incident)
+        with pytest.raises(IncidentError, match="sharded .FSDP2's DTensor. in the .* state only"):
+            script()
+    finally:
+        dist.destroy_process_group()
 
 
 def two_part_model():
