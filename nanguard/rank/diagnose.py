@@ -113,6 +113,8 @@ def _backward_position(catalog: Catalog, log: StepLog, owners: list[torch.Tensor
     """Where in the backward pass a gradient finding's first bad gradient was made, comparable
     between ranks of one model (after every forward position): a NaN that a collective inside the
     backward (a synchronised norm's) hands to another rank shows there later in backward order."""
+    if fields["kind"] != "grad":
+        return None  # "loss" ranks with buffers and checks, which have no place in the backward pass
     first = fields["extra"]["bad_params"][0]
     param = next((p for p in owners if catalog.param_name(p) == first), None)
     slot = _owner(catalog, param) if param is not None else None
