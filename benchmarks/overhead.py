@@ -137,6 +137,7 @@ class ModelSpec:
     target: float  # acceptable ratio for the default nanguard variant
     micro_batches: int = 1  # gradient accumulation: forwards and backwards per optimizer step
     autocast: torch.dtype | None = None
+    clip: float | None = None  # clip_grad_norm_ before every optimizer step (the gradients change after backward)
     variants: tuple[str, ...] | None = None  # None: every variant
     guard: tuple[tuple[str, object], ...] = ()  # nanguard settings of this workload
     extra: str | None = None  # the optional extra its packages come with
@@ -228,6 +229,10 @@ MODELS = {
                   steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard"), extra="realworld"),
         ModelSpec("resnet-bn", build_resnet, classification_batch(8, 3, 32, 32), classification_loss,
                   steps=10, rounds=12, warmup=5, target=1.03, variants=WITH_FLOOR, extra="realworld"),
+        # the MLP with clip_grad_norm_ at every step: gradients that change after the backward pass
+        # are read again as the optimizer will apply them
+        ModelSpec("mlp-clip", build_mlp, classification_batch(64, 64), classification_loss,
+                  steps=50, rounds=20, warmup=30, target=1.10, variants=WITH_FLOOR, clip=1.0),
         ModelSpec("nan-storm", build_storm, classification_batch(64, 64), classification_loss,
                   steps=50, rounds=12, warmup=10, target=1.5, variants=("plain", "nanguard"),
                   guard=(("on_nan", "warn"), ("max_events", 64))),
@@ -360,6 +365,8 @@ class Runner:
                 with torch.autocast(self.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
                     loss = self.loss(self.model, *self.batch)
                 (loss / spec.micro_batches).backward()
+            if spec.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
