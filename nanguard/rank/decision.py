@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from .respond import Responder
 
 
+_EVALUATED = ("in a forward with autograd off after optimizer step {} (an evaluation, not a training step:"
+              " training goes on)")
+
+
 @dataclass(slots=True)
 class StepClock:
     """Which optimizer step the process is in, as events and reports count it.
@@ -206,14 +210,23 @@ class Decider:
         self._bad_at: int | None = None
         """the index of the last step found bad (its other optimizers' steps are that step's)"""
 
-    def settle_early(self) -> None:
-        """Too many probes without a step (a long eval loop): read them now, locally."""
+    def settle_early(self, evaluation: bool = False) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally. ``evaluation``:
+        they are of forwards with autograd off between optimizer steps (a validation pass), whose
+        bad value is reported and does not stop training (``on_nan`` is for the training steps)."""
         log = self.detector.log
         if log.values and self._early is None:
             reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
                                 evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
             if reading.bad:
-                self._early = self._diagnose(reading)
+                finding = self._diagnose(reading)
+                if not evaluation:
+                    self._early = finding
+                elif finding is not None:
+                    finding.event.micro_batch = None  # (not a micro-batch of a training step)
+                    finding.event.message = "; ".join(filter(None, (_EVALUATED.format(max(self.clock.step - 1, 0)),
+                                                                    finding.event.message)))
+                    self.respond.observed(finding)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)

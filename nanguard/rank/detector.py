@@ -96,11 +96,13 @@ class Detector:
 
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
                  detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
-                 on_step_start: Callable[[], None] | None = None, keep_batches: bool = False):
+                 on_step_start: Callable[[], None] | None = None, keep_batches: bool = False,
+                 on_evaluated: Callable[[], None] | None = None):
         self._skip_types = tuple(skip_types)
         self._skip_modules = tuple(skip_modules)
         self.on_root_end = on_root_end
         self.on_step_start = on_step_start
+        self.on_evaluated = on_evaluated  # a training forward follows an evaluation's: settle those apart
         self.keep_batches = keep_batches
         self.catalog = Catalog()
         self.log = StepLog()
@@ -240,8 +242,12 @@ class Detector:
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
         log = self.log
+        grad = torch.is_grad_enabled()
+        if grad and log.started and not log.trained and self.on_evaluated is not None:
+            self.on_evaluated()
         if not log.started:
             self.step_starts()
+        log.trained = log.trained or grad
         log.mark_backward(_graph_task() != -1)
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1

@@ -59,7 +59,8 @@ class Guard:
                                   on_root_end=self._on_root_end,
                                   on_step_start=self._on_step_start if settings.capture is not False
                                   else None,
-                                  keep_batches=settings.capture is not False and settings.capture_batch)
+                                  keep_batches=settings.capture is not False and settings.capture_batch,
+                                  on_evaluated=lambda: self._decider.settle_early(evaluation=True))
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)
@@ -246,7 +247,8 @@ class Guard:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
             self._decider.decide(None, collective=False)  # eval/inference: nothing steps, so decide now
         elif self._detector.pending >= self.settings.max_pending:
-            self._decider.settle_early()
+            log = self._detector.log
+            self._decider.settle_early(evaluation=log.started and not log.trained)
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:

@@ -348,6 +348,8 @@ class StepLog:
     """module calls of the step that have returned (their forward hooks)"""
     started: bool = False
     """the step's first forward began (``Detector.step_starts``)"""
+    trained: bool = False
+    """a root forward with autograd on began in this step (else its forwards so far were an evaluation)"""
     buffers_at_start: dict[str, torch.Tensor] = field(default_factory=dict)
     """copies of the buffers the step may write, as they were when it began, by qualified name
     (``Buffers.kept``)"""
@@ -363,7 +365,7 @@ class StepLog:
         self.evidence_slots.clear()
         self.produced = self.left = self.loss_at = None
         self.calls = 0
-        self.started = False
+        self.started = self.trained = False
         self.buffers_at_start, self.buffer_versions = {}, {}
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:

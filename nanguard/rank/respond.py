@@ -92,6 +92,15 @@ class Responder:
         if finding.event.rank == self.group.rank and finding.born_here:
             self.reporter.note(finding.event, action)
 
+    def observed(self, finding: Finding) -> None:
+        """A finding outside the training steps (an evaluation's forward): kept, sent and logged (once a
+        minute at most for the same place), never acted on."""
+        self.note(finding, "warn")
+        event = finding.event
+        now, held = self._log_throttle.allow((event.kind, event.layer, "evaluation"))
+        if now:
+            log.warning("nanguard: %s%s", event, f" (and {held} more such in the last minute)" if held else "")
+
     def act(self, event: Event, optimizer: torch.optim.Optimizer | None, together: bool) -> None:
         """Apply the policy to the job's first event (already noted). ``together``: every rank of
         the group is here at the same step (so the capture may use collectives); a local decision

@@ -1309,3 +1309,45 @@ def test_a_gradient_the_script_makes_non_finite_after_backward_is_never_applied(
     assert event.extra["after_backward"] is True and "finite as the backward pass left it" in event.message
     assert "sum across ranks" not in event.message  # one process: nothing summed it
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_an_evaluation_between_optimizer_steps_is_neither_a_micro_batch_nor_a_training_stop(inference):
+    # a validation forward (autograd off) at each iteration's start: a training NaN keeps its
+    # micro-batch number, and a NaN in the validation batch alone is reported but stops nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    off = torch.inference_mode if inference else torch.no_grad
+
+    def evaluate(bad: bool):
+        model.eval()
+        with off():
+            x = torch.randn(8, 16)
+            if bad:
+                x[0, 3] = math.nan
+            model(x)
+        model.train()
+
+    with nanguard.init(model, optimizer, max_pending=6) as guard:
+        for step in range(3):
+            evaluate(bad=step == 1)
+            for _ in range(3):  # a long validation: past max_pending, settled early, as an evaluation
+                evaluate(bad=False)
+            for micro in range(2):
+                nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 3 and guard.incident is None
+        (event,) = guard.events
+        assert (event.kind, event.layer, event.step, event.micro_batch) == ("forward", "0", 1, None), event
+        assert "in a forward with autograd off after optimizer step 0 (an evaluation" in event.message
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            evaluate(bad=False)
+            for micro in range(2):
+                x = torch.randn(8, 16)
+                if micro == 1:
+                    x[2, 2] = math.nan
+                nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
+            optimizer.step()
+    assert (info.value.event.step, info.value.event.micro_batch) == (3, 1), info.value.event
