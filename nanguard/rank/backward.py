@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from operator import is_
 
 import torch
 from torch import nn
@@ -31,8 +30,9 @@ class BackwardWatch:
         self.log = log
         self.attached = attached
         self.watches_buckets = False
-        self.snapshot_gradients = True
-        """False: gradients are taken at the optimizer step (a GradScaler's are scaled until then)"""
+        self.scaled = False
+        """the gradients the backward pass leaves are scaled (a GradScaler's): their norms say which are
+        finite, not how large they are"""
         self._params: list[weakref.ref] = []
         """every trainable parameter of the attached roots (weakly: a guard keeps no model alive)"""
         self._queued = False
@@ -132,7 +132,7 @@ class BackwardWatch:
     def forward_done(self, output: object) -> None:
         """A root forward returned ``output`` (or, where the script calls a model's modules itself,
         the step's first module did): its backward pass will be watched."""
-        if self.snapshot_gradients and not self.watches_buckets and torch.is_grad_enabled():
+        if not self.watches_buckets and torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
             tensor = output if type(output) is torch.Tensor else next(
                 (t for t in floating_tensors(output) if t.requires_grad), None)
@@ -157,23 +157,21 @@ class BackwardWatch:
         """The backward pass is over: the gradients as it left them, their norms from one fused
         pass (device tensors: nothing is read here)."""
         self._queued = False
-        if not self.attached() or not self.snapshot_gradients:
+        if not self.attached():
             return
         owners, norms = self.log.produced = gradient_norms(self.params())
-        grads = [p.grad for p in owners]
-        self.log.left = (grads, versions(grads))
+        self.log.left = {id(p): (p.grad, version_of(p.grad)) for p in owners}
 
 
-def versions(grads: list[torch.Tensor]) -> list[int]:
-    return [version_of(g) for g in grads]
-
-
-def as_left(owners: list[torch.Tensor], left: tuple[list[torch.Tensor], list[int]] | None) -> bool:
+def as_left(owners: list[torch.Tensor], left: dict[int, tuple[torch.Tensor, int]] | None) -> bool:
     """Whether every gradient of ``owners`` is as the backward pass left it (``StepLog.left``)."""
     if left is None:
         return False
-    grads, then = left
-    return all(map(is_, (p.grad for p in owners), grads)) and versions(grads) == then
+    for param in owners:
+        then = left.get(id(param))
+        if then is None or then[0] is not param.grad or version_of(param.grad) != then[1]:
+            return False
+    return True
 
 
 def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

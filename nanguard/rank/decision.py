@@ -256,8 +256,9 @@ class Decider:
                 self._respond_to(self._take_early(), optimizer, together=False)
             self._clean(stop=self.respond.reporter.stop_requested)
             return
-        loss_at = detector.log.loss_at
-        loss = reading.probes[loss_at] if loss_at is not None else None
+        loss = reading.probes[detector.log.loss_at] if detector.log.loss_at is not None else None
+        # the gradients' series: as the backward pass left them, or where a GradScaler scaled those, as applied
+        series, held = (reading.applied, later) if detector.backward.scaled and later else (reading.norms, owners)
         if reading.bad and self.clock.part and self._bad_at == self.clock.index:
             # another optimizer of a step already found bad (the same on every rank): the policy
             # again, not a second report of what that step's first decision reported
@@ -269,8 +270,8 @@ class Decider:
             first = self._agreed(reading, owners, written, collectives, later)
             if first is not None:
                 # in the flight recorder before a capture writes it
-                self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
-                                        owners=owners, optimizer=optimizer, clean=False)
+                self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=series,
+                                        owners=held, optimizer=optimizer, clean=False)
                 self._bad_at = self.clock.index
                 try:
                     self._respond_to(first, optimizer, together=collectives is not None)
@@ -280,10 +281,10 @@ class Decider:
                 self._report_step(reading.stop)
                 return
         detector.reset()
-        if reading.norms and not self.clock.part:  # one series: the steps of the optimizer counting them
-            self.respond.watch_norms(reading.norms, owners, self._event)
-        self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=reading.norms,
-                                owners=owners, optimizer=optimizer, clean=True)
+        if series and not self.clock.part:  # one series: the steps of the optimizer counting them
+            self.respond.watch_norms(series, held, self._event)
+        self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=series,
+                                owners=held, optimizer=optimizer, clean=True)
         self._clean(reading.stop)
 
     def _agreed(self, reading: Reading, owners: list[torch.Tensor], written: list,
@@ -326,6 +327,10 @@ class Decider:
         produced = self.detector.log.produced
         if produced is None:
             return gradient_norms(params(optimizer))
+        if self.detector.backward.scaled:  # the scaler checks and unscales only what this optimizer steps
+            mine = {id(p) for p in params(optimizer)}
+            kept = [(p, n) for p, n in zip(*produced) if id(p) in mine]
+            return [p for p, _ in kept], [n for _, n in kept]
         return produced
 
     def _respond_to(self, finding: diagnose.Finding, optimizer: torch.optim.Optimizer | None,

@@ -91,8 +91,8 @@ class Guard:
         observer.optimizers([], self._respond.states)
         if "scaler" in self._respond.states:
             self._undo.append(patch_scaler_update(self._respond.states["scaler"], self._after_scaler_update))
-            # scaled until the scaler unscales them: the gradients are taken at the optimizer step
-            self._detector.backward.snapshot_gradients = False
+            # scaled until the scaler unscales them: their norms as applied make the series
+            self._detector.backward.scaled = True
         if model is not None:
             self._attach(model)
         else:

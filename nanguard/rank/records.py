@@ -335,8 +335,8 @@ class StepLog:
     input buffer) from what the forward was fed"""
     produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """(parameters, the norms of their gradients) as the last backward pass left them"""
-    left: tuple[list[torch.Tensor], list[int]] | None = None
-    """(those gradients, their in-place versions) then: the optimizer applies what the norms
+    left: dict[int, tuple[torch.Tensor, int]] | None = None
+    """(each one's gradient, its in-place version) then, by ``id(param)``: the optimizer applies what the norms
     measured only while each is the same tensor, unchanged (not summed across ranks, clipped,
     unscaled or divided since)"""
     loss_at: int | None = None

@@ -1285,23 +1285,27 @@ def test_a_checked_loss_that_is_the_first_bad_value_says_where_it_can_come_from(
         assert event.message.startswith("no module output was checked before it in this step")
 
 
-@pytest.mark.parametrize("clip", [False, True])
-def test_a_gradient_the_script_makes_non_finite_after_backward_is_never_applied(clip):
+@pytest.mark.parametrize("loop", ["plain", "clip", "scaler"])
+def test_a_gradient_the_script_makes_non_finite_after_backward_is_never_applied(loop):
     # a per-batch normalisation by a token count that was 0: the backward pass left finite
-    # gradients, the optimizer would apply an infinite one
+    # gradients, the optimizer would apply an infinite one ("scaler": after unscale_, under a
+    # GradScaler given to init, which found nothing to skip)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with nanguard.init(model, optimizer) as guard:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=loop == "scaler")
+    with nanguard.init(model, optimizer, scaler=scaler) as guard:
         with pytest.raises(nanguard.NonFiniteError) as info:
             for step in range(4):
-                model(torch.randn(4, 8)).sum().backward()
-                if clip:
+                scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+                scaler.unscale_(optimizer)
+                if loop == "clip":
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # every step: finite stays finite
                 if step == 2:
                     model[0].weight.grad.div_(0.0)
                 before = [p.detach().clone() for p in model.parameters()]
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad()
         assert guard.step == 3
     event = info.value.event
