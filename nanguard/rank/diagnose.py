@@ -610,8 +610,8 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
             return (f"{_code_between(catalog, log, extremes, taken)} (passed to {caller} as an argument"
                     f" already with NaN), or of {caller} itself" + (f", whose {bad}" if bad else ""))
     labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
-        catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index], last + 1)
-        if r.role == IN and r.passed is None and not _finite(extremes[i])]
+        catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index + 1], last + 1)
+        if r.role == IN and r.passed is None and not _finite(extremes[i])]  # (the probe's own module too)
     found, blamed = [], []
     outside = log.micro_batch_of(index) is None  # the script called the model's modules itself (a GAN's G and D)
     for label in dict.fromkeys(labels):

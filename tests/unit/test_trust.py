@@ -1355,3 +1355,31 @@ def test_an_evaluation_between_optimizer_steps_is_neither_a_micro_batch_nor_a_tr
                 nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
             optimizer.step()
     assert (info.value.event.step, info.value.event.micro_batch) == (3, 1), info.value.event
+
+
+class InplaceScale(nn.Module):
+    """timm's LayerScale(inplace=True): scales its input in place and returns it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gamma = nn.Parameter(0.1 * torch.ones(width))
+
+    def forward(self, x):
+        return x.mul_(self.gamma)
+
+
+class ScaledInPlace(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.fc1, self.ls1, self.fc2 = nn.Linear(width, width), InplaceScale(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.ls1(self.fc1(x)))
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_bad_parameter_of_a_module_that_scales_its_input_in_place_is_named(value):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ScaledInPlace(), nn.Linear(8, 2))
+    event = _stop_at_step_2(model, lambda: model[1].ls1.gamma[3].fill_(value))
+    assert "1.ls1" in f"{event.layer} {event.message}" and "gamma" in event.message, (event.layer, event.message)
