@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from .respond import Responder
 
 
+_UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks (no DDP bucket or FSDP2"
+                    " reduce-scatter was watched), and a collective inside the model (tensor parallelism's"
+                    " all_reduce) or the script's own (gradients all-reduced by hand) gives every rank the same"
+                    " values: the rank named is the lowest that saw them, the one where they were born is not known")
 _EVALUATED = ("in a forward with autograd off after optimizer step {} (an evaluation, not a training step:"
               " training goes on)")
 
@@ -178,12 +182,15 @@ def agree(collectives: Collectives | None, local: Finding | None) -> Finding | N
                                           f.position or (math.inf, math.inf), not f.own_state, f.event.rank))
 
 
-def changed_gradients(owners: list[torch.Tensor], log: StepLog) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def changed_gradients(owners: list[torch.Tensor], log: StepLog,
+                      summed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(parameters, norms of their gradients as they are now) where the gradients the backward pass
-    left (``StepLog.produced``) changed since, else nothing: the optimizer applies what they are
-    now. DDP's sum across ranks (an overflow, fp16 compression), clipping, unscaling or the script's
-    own division can make a finite gradient non-finite after the backward pass."""
-    if log.produced is None or as_left(owners, log.left):
+    left (``StepLog.produced``) may have changed since, else nothing: the optimizer applies what
+    they are now. DDP's sum across ranks (an overflow, fp16 compression), clipping, unscaling or the
+    script's own division can make a finite gradient non-finite after the backward pass. With
+    several ranks (``summed``) they are read again whatever their versions say: a collective
+    writes into a tensor without counting a version."""
+    if log.produced is None or (not summed and as_left(owners, log.left)):
         return [], []
     return gradient_norms(owners)
 
@@ -240,7 +247,8 @@ class Decider:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
         owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
-        later, applied = changed_gradients(owners, detector.log) if gradients_too else ([], [])
+        several = collectives is not None and collectives.world_size > 1
+        later, applied = changed_gradients(owners, detector.log, several) if gradients_too else ([], [])
         written = detector.buffers.written()
         reading = read_step(detector.log.values, norms,
                             detector.log.buckets if gradients_too else [], collectives,
@@ -296,6 +304,10 @@ class Decider:
         local = self._take_early() if self._early is not None else self._diagnose(
             reading, owners, grads, written, later)
         first = agree(collectives, local)
+        several = collectives is not None and collectives.world_size > 1
+        if first is not None and several and first.born_here and first.event.kind in ("grad", "loss") and (
+                not self.detector.backward.watched()):  # (the same on every rank)
+            first.event.message = "; ".join(filter(None, (first.event.message, _UNWATCHED_RANKS)))
         if first is not None and local is not None and first.event.rank != local.event.rank:
             if first.position is not None and local.position is not None and first.position < local.position:
                 local.event.message = "; ".join(filter(None, (local.event.message, (

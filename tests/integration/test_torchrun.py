@@ -137,6 +137,17 @@ def test_ddp_a_nan_that_a_collective_in_the_backward_spreads_is_named_on_the_ran
 
 
 @pytest.mark.timeout(180)
+def test_gradients_summed_by_hand_name_no_rank_as_where_they_were_born(torchrun):
+    # no DDP: rank 1's script divides a gradient by 0, then all-reduces every gradient itself; every
+    # rank then holds the same bad values, and nothing tells which rank they came from
+    job = torchrun.standalone("ddp_train.py", "--fault", "after-backward", "--fault-rank", "1", "--fault-step", "5",
+                              "--steps", "8", "--hand-sum")
+    event = assert_common_stop(job.ok(world=2), step=5)
+    assert (event["kind"], event["layer"], event["rank"]) == ("grad", "blocks.1.fc.weight", 0), event
+    assert "the one where they were born is not known" in event["message"]
+
+
+@pytest.mark.timeout(180)
 def test_ddp_skip_policy_drops_the_bad_update_and_goes_on(torchrun):
     steps, bad = 10, 5
     job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-rank", "1",

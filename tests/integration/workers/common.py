@@ -197,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--synced", action="store_true", help="a cross-rank mean (SyncMean) before the head")
     p.add_argument("--fp16-hook", action="store_true", help="DDP's fp16_compress_hook sums the gradients")
+    p.add_argument("--hand-sum", action="store_true",
+                   help="no DDP: the script all-reduces the gradients itself after its own code")
     p.add_argument("--sync-grad", action="store_true",
                    help="a cross-rank mean after embed whose backward all-reduces gradients (GradSyncMean)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -262,6 +264,9 @@ def run(args: argparse.Namespace, wrap) -> int:
                 fault_module.mode = None
             if faulty and step == args.fault_step and args.fault == "after-backward":
                 net.blocks[1].fc.weight.grad.div_(0.0)  # the script's own division by a count that was 0
+            if args.hand_sum:
+                for param in net.parameters():
+                    dist.all_reduce(param.grad)
             # snapshot right before the step: an error must leave exactly this state behind
             before = {"weights": weights_digest(model), "optim": optim_digest(optimizer)}
             optimizer.step()
