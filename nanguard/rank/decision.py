@@ -39,8 +39,7 @@ _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks
                     " reduce-scatter was watched), and a collective inside the model (tensor parallelism's"
                     " all_reduce) or the script's own (gradients all-reduced by hand) gives every rank the same"
                     " values: the rank named is the lowest that saw them, the one where they were born is not known")
-_EVALUATED = ("in a forward with autograd off after optimizer step {} (an evaluation, not a training step:"
-              " training goes on)")
+_EVALUATED = "in a forward with autograd off {} (an evaluation, not a training step: training goes on)"
 
 
 @dataclass(slots=True)
@@ -231,8 +230,9 @@ class Decider:
                     self._early = finding
                 elif finding is not None:
                     finding.event.micro_batch = None  # (not a micro-batch of a training step)
-                    finding.event.message = "; ".join(filter(None, (_EVALUATED.format(max(self.clock.step - 1, 0)),
-                                                                    finding.event.message)))
+                    step = self.clock.step
+                    when = f"after optimizer step {step - 1}" if step else "before any optimizer step"
+                    finding.event.message = "; ".join(filter(None, (_EVALUATED.format(when), finding.event.message)))
                     self.respond.observed(finding)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
