@@ -93,9 +93,10 @@ class Responder:
             self.reporter.note(finding.event, action)
 
     def observed(self, finding: Finding) -> None:
-        """A finding outside the training steps (an evaluation's forward): kept, sent and logged (once a
-        minute at most for the same place), never acted on."""
-        self.note(finding, "warn")
+        """A finding outside the training steps (an evaluation's forward): kept and logged (once a
+        minute at most for the same place), never acted on. Not sent: the coordinator's policy
+        stops a job on any such event, and this one is no training step's."""
+        self.events.add(finding.event)
         event = finding.event
         now, held = self._log_throttle.allow((event.kind, event.layer, "evaluation"))
         if now:
