@@ -79,9 +79,14 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if (buffer := module._buffers.get(name)) is not None}
 
 
+def dtensor(tensor: Any) -> bool:
+    """A DTensor (FSDP2's shards, tensor parallelism): this rank holds its local part."""
+    return hasattr(tensor, "to_local")
+
+
 def sharding(model: nn.Module | None) -> str | None:
     """How an incident's per-rank states must be loaded, when the model is sharded (FSDP2)."""
-    if model is not None and any(hasattr(p, "to_local") for p in model.parameters()):
+    if model is not None and any(dtensor(p) for p in model.parameters()):
         return ("fsdp2: each rank's state.pt holds its own shards (DTensors); load rank k's file on"
                 " rank k of a job with the same world size and the same fully_shard layout")
     return None

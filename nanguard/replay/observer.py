@@ -21,7 +21,7 @@ from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
 from ..rank.detector import skipped
-from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, is_wrapper,
+from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, dtensor, is_wrapper,
                             non_persistent_buffers, plain_names, type_name, untraced, unwrap, within)
 from . import devices, layout, samples
 from .fill import fill, incomplete
@@ -56,19 +56,15 @@ def _check_model_state(model: nn.Module, state: dict[str, Any], path: str) -> No
         problems.append("other shapes for " + ", ".join(
             f"{k} {list(state[k].shape)} vs {list(expected[k].shape)}" for k in shapes[:5]))
     sharded = [k for k in expected if k in state and isinstance(state[k], torch.Tensor)
-               and _sharded(state[k]) != _sharded(expected[k])]
+               and dtensor(state[k]) != dtensor(expected[k])]
     if sharded:
-        where = "the incident's" if _sharded(state[sharded[0]]) else "the script's model's"
+        where = "the incident's" if dtensor(state[sharded[0]]) else "the script's model's"
         problems.append(f"{sharded[0]}{' ...' if len(sharded) > 1 else ''} is sharded (FSDP2's DTensor) in {where}"
                         " state only: the model is wrapped another way than in the run that made it")
     if problems:
         raise IncidentError(path, f"does not fit the script's model {type(model).__name__} "
                                   f"({'; '.join(problems)}); nothing was loaded. Replay with the "
                                   "script and model configuration that made the incident")
-
-
-def _sharded(tensor: Any) -> bool:
-    return hasattr(tensor, "to_local")
 
 
 def unpersisted(saved: Any, model: nn.Module, path: str) -> list[tuple[str, torch.Tensor]]:
