@@ -118,6 +118,8 @@ class Detector:
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
         self.depth = 0
         """root forwards in progress (a root called inside another's is not a micro-batch)"""
+        self.aside = False
+        """the root forward in progress is an evaluation amid a training step's micro-batches"""
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -275,7 +277,8 @@ class Detector:
     def root_end(self, output: Any) -> None:
         """A root forward returned ``output`` (None: it raised)."""
         self.depth = max(self.depth - 1, 0)
-        if self.depth:
+        if self.depth or self.aside:
+            self.aside = self.aside and self.depth > 0
             return
         log = self.log
         if log.spans:
@@ -312,15 +315,6 @@ class Detector:
                 self._kept_bytes -= kept.numel() * kept.element_size()
                 record.kept = None
         self._judged = len(records)
-
-    def called_outside(self, output: Any) -> None:
-        """A module returned ``output`` outside any root forward: the script calls the model's
-        modules itself (a Lightning ``training_step``, a container of models), or a backward pass
-        runs a checkpointed forward again. The first such call of a step's forward tells when the
-        backward pass starts, as a root forward would, so that the gradients are taken as it leaves
-        them (before clipping spreads a NaN); calls inside a backward pass are marked as such."""
-        if not self.log.mark_backward(_graph_task() != -1) and not self.backward.armed:
-            self.backward.forward_done(output)
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
@@ -368,13 +362,32 @@ def _root_hooks(detector: Detector, root_slot: int):
     def pre(module, args, kwargs):
         detector.depth += 1
         if detector.depth == 1:
-            detector.root_pre(root_slot, args, kwargs)
+            # autograd off once a training forward of the step ran: an evaluation between its
+            # micro-batches, which would count as one; not checked
+            detector.aside = not torch.is_grad_enabled() and detector.log.trained
+            if not detector.aside:
+                detector.root_pre(root_slot, args, kwargs)
 
     @untraced
     def post(module, args, kwargs, output):
         detector.root_end(output)
 
     return pre, post
+
+
+def _called_outside(detector: Detector, output: Any) -> bool:
+    """Whether to check a module that returned ``output`` outside any root forward: the script
+    calls the model's modules itself (a Lightning ``training_step``, a container of models), or a
+    backward pass runs a checkpointed forward again. With autograd off it is an evaluation of a
+    model's part (DDP's inner module, a validation step), not checked: its probes would join the
+    next training step's. The first call of a step's forward tells when the backward pass starts,
+    as a root forward would, so that the gradients are taken as it leaves them (before clipping
+    spreads a NaN); calls inside a backward pass are marked as such."""
+    if not torch.is_grad_enabled():
+        return False
+    if not detector.log.mark_backward(_graph_task() != -1) and not detector.backward.armed:
+        detector.backward.forward_done(output)
+    return True
 
 
 def _step_start(detector: Detector):
@@ -407,9 +420,9 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
             if mode == CHECK_MODE and leaf:
                 _compiled_call(log, compiled, output)
             return None
+        if detector.aside or (not detector.depth and not _called_outside(detector, output)):
+            return None  # an evaluation's call amid training, or of a model's part, autograd off: not checked
         log.calls += 1
-        if not detector.depth:
-            detector.called_outside(output)
         if type(output) is tensor_type and len(args) == 1 and not kwargs and type(args[0]) is tensor_type and \
                 mode != SKIP_MODE and not (args[0].is_inference() or output.is_inference()):
             # the common call, one tensor in and one out, both with versions: the general path inlined

@@ -1394,3 +1394,29 @@ def test_a_bad_parameter_of_a_module_that_scales_its_input_in_place_is_named(val
     model = nn.Sequential(nn.Linear(8, 8), ScaledInPlace(), nn.Linear(8, 2))
     event = _stop_at_step_2(model, lambda: model[1].ls1.gamma[3].fill_(value))
     assert "1.ls1" in f"{event.layer} {event.message}" and "gamma" in event.message, (event.layer, event.message)
+
+
+@pytest.mark.parametrize("through", ["the model", "a part of it"])
+def test_an_evaluation_amid_micro_batches_or_of_a_models_part_is_left_unchecked(through):
+    # between micro-batches 0 and 1, or through a part of the model (DDP's inner module, a
+    # validation step calling submodules), a forward with autograd off would join the training
+    # step's probes: counted as a micro-batch, its NaN a stop of every rank. It is not checked.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer) as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                for micro in range(3):
+                    x = torch.randn(8, 16)
+                    if (step, micro) == (3, 2):
+                        x[2, 2] = math.nan
+                    nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
+                    if micro == 0:
+                        with torch.no_grad():
+                            bad = torch.full((8, 16), math.nan if step == 1 else 0.0)
+                            model(bad) if through == "the model" else model[0](bad)
+                optimizer.step()
+                optimizer.zero_grad()
+        assert guard.step == 4 and [e.step for e in guard.events] == [3]
+    assert (info.value.event.step, info.value.event.micro_batch) == (3, 2), info.value.event
