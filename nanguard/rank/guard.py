@@ -176,6 +176,9 @@ class Guard:
         an error, and the coordinator counts this rank as failed rather than finished."""
         if self._closed:
             return
+        log = self._detector.log
+        if log.started and not log.trained and log.values:  # a last evaluation, after the last step
+            self._decider.settle_early(evaluation=True)
         self._closed = True
         for handle in self._handles:
             handle.remove()

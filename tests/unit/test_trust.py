@@ -1365,7 +1365,10 @@ def test_an_evaluation_between_optimizer_steps_is_neither_a_micro_batch_nor_a_tr
                     x[2, 2] = math.nan
                 nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
             optimizer.step()
+        optimizer.zero_grad()
+        evaluate(bad=True)  # a last evaluation, after the last step: checked when the guard closes
     assert (info.value.event.step, info.value.event.micro_batch) == (3, 1), info.value.event
+    assert [e.step for e in guard.events][-1] == 4 and "(an evaluation" in guard.events[-1].message
 
 
 class InplaceScale(nn.Module):
