@@ -277,8 +277,10 @@ class Detector:
     def root_end(self, output: Any) -> None:
         """A root forward returned ``output`` (None: it raised)."""
         self.depth = max(self.depth - 1, 0)
-        if self.depth or self.aside:
-            self.aside = self.aside and self.depth > 0
+        if self.depth:
+            return
+        if self.aside:  # an evaluation amid the step's micro-batches ended: nothing of it was checked
+            self.aside = False
             return
         log = self.log
         if log.spans:
