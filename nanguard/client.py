@@ -30,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import curve
 from .errors import ProtocolError
 from .events import Event, json_float
-from .protocol import IDENTITY_FIELDS, POLICIES, STOP_REASONS, check_curve_key, parse_address
+from .protocol import ACTIONS, IDENTITY_FIELDS, STOP_REASONS, check_curve_key, parse_address
 from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body
 
 log = logging.getLogger("nanguard.client")
@@ -316,10 +316,10 @@ class Client:
         self._thread.start()
 
     def send_event(self, event: Event, action: str) -> bool:
-        """Queue an event with what this rank does about it (raise, skip, warn). False when the
-        queue is full: the event is dropped and counted."""
-        if action not in POLICIES:
-            raise ValueError(f"action {action!r} is not one of {', '.join(POLICIES)}")
+        """Queue an event with what this rank does about it (raise, skip, warn; observe: nothing,
+        an evaluation's). False when the queue is full: the event is dropped and counted."""
+        if action not in ACTIONS:
+            raise ValueError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
         return self._outbox.put_event(event, action)
 
     def update(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:

@@ -26,6 +26,11 @@ producer beats what it poisoned downstream (the loss, then the gradients)"""
 # --- what a rank does about a non-finite value (``on_nan``; the ``action`` of its events) ---
 Policy = Literal["raise", "skip", "warn"]
 POLICIES: tuple[Policy, ...] = ("raise", "skip", "warn")
+OBSERVED = "observe"
+"""the ``action`` of an event seen outside the training steps (an evaluation's forward, autograd
+off, between optimizer steps): reported and counted, never acted on, and never a reason to stop"""
+ACTIONS = POLICIES + (OBSERVED,)
+"""what a rank did about an event it sends (the ``action`` of an ``events`` message)"""
 
 # --- stops ----------------------------------------------------------------------------------
 STOP_REASONS = ("nonfinite", "policy", "operator")

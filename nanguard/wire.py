@@ -43,7 +43,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import event_values, shown
-from .protocol import IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, POLICIES, ROLES, STOP_REASONS
+from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, ROLES, STOP_REASONS
 
 VERSION = 2
 MAX_BYTES = 64 * 1024
@@ -214,7 +214,7 @@ SCHEMAS: dict[str, Check] = {
                           "step": _COUNT, "step_time_s": _optional(_SECONDS), "dropped": _COUNT,
                           "grad_norm": _GRAD_NORM}),
     "events": _object({"rank": _RANK, "job": _JOB, "events": _list(_event, 1, MAX_EVENTS)},
-                      {"action": _text(8, POLICIES)}),
+                      {"action": _text(8, ACTIONS)}),
     "captured": _object({"rank": _RANK, "job": _JOB, "step": _COUNT, "incident": _text(4096)}),
     "stopped": _object({"rank": _RANK, "job": _JOB, "step": _COUNT,
                         "reason": _text(16, STOP_REASONS)}),

@@ -20,6 +20,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..errors import ProtocolError
+from ..protocol import OBSERVED
 from ..wire import Message
 from .clock import Instant
 from .metrics import Metrics
@@ -98,13 +99,13 @@ class Handlers:
         self.ranks.heartbeat(state, body, at)
 
     def _on_events(self, state, body: dict[str, Any], at: Instant) -> None:
-        events = body["events"]
+        events, action = body["events"], body.get("action")
         state.events += len(events)
         kinds = Counter(map(itemgetter("kind"), events))
         # a rank speaks for itself: its events count under its own rank, whatever they say inside
-        self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()})
-        if self.stops.command is None and not self.policy.stop_kinds.isdisjoint(kinds):
-            action = body.get("action")
+        evaluation = action == OBSERVED  # an evaluation's: counted apart, never a reason to stop
+        self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()}, evaluation)
+        if not evaluation and self.stops.command is None and not self.policy.stop_kinds.isdisjoint(kinds):
             for event in events:
                 decision = self.policy.observe(event["kind"], state.rank, event["step"], event["layer"],
                                                action, at.wall)

@@ -41,6 +41,10 @@ class Metrics:
         self.warning_events = counter(
             "nanguard_warning_events_total", "Warning events (gradient norm, spike) reported by ranks",
             ("kind", "rank"))
+        self.evaluation_events = counter(
+            "nanguard_evaluation_events_total",
+            "Non-finite events of evaluations (forwards with autograd off between training steps); they never stop a job",
+            ("kind", "rank"))
         self.stops = counter("nanguard_stops_total", "Job stops, one per job, by why", ("reason",))
         self.bad_messages = counter("nanguard_bad_messages_total", "Messages dropped as bad")
         self.bad_reasons = counter(
@@ -73,10 +77,11 @@ class Metrics:
         self._incident_ids: set[str] = set()
         self._dropped_seen: dict[int, int] = {}
 
-    def events(self, counts: dict[tuple[str, int], int]) -> None:
-        """Add one batch's events, counted by (kind, rank)."""
+    def events(self, counts: dict[tuple[str, int], int], evaluation: bool = False) -> None:
+        """Add one batch's events, counted by (kind, rank); ``evaluation``: an evaluation's."""
         for (kind, rank), count in counts.items():
-            family = self.nonfinite_events if kind in STOP_KINDS else self.warning_events
+            family = self.evaluation_events if evaluation else (
+                self.nonfinite_events if kind in STOP_KINDS else self.warning_events)
             family.labels(kind, str(rank)).inc(count)
 
     def stop(self, reason: str) -> None:

@@ -26,7 +26,8 @@ class Reporter:
     """No coordinator: every call does nothing, and no stop is ever requested."""
 
     def note(self, event: Event, action: str) -> None:
-        """This rank saw ``event`` and did ``action`` (raise, skip, warn) about it."""
+        """This rank saw ``event`` and did ``action`` about it: raise, skip, warn, or observe (an
+        evaluation's event, about which nothing is done)."""
 
     def heartbeat(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
         """A step ended: its index, how long it took and its gradient norm."""

@@ -21,6 +21,7 @@ from ..errors import NonFiniteError, StopRequested
 from ..events import Event, EventLog
 from ..incident import RankPart, capture_incident, rng_snapshot
 from ..incident.rng import HOST
+from ..protocol import OBSERVED
 from . import forensics
 from .buffers import Buffers
 from .decision import params
@@ -93,10 +94,10 @@ class Responder:
             self.reporter.note(finding.event, action)
 
     def observed(self, finding: Finding) -> None:
-        """A finding outside the training steps (an evaluation's forward): kept and logged (once a
-        minute at most for the same place), never acted on. Not sent: the coordinator's policy
-        stops a job on any such event, and this one is no training step's."""
-        self.events.add(finding.event)
+        """A finding outside the training steps (an evaluation's forward): kept, logged (once a
+        minute at most for the same place) and sent as observed (``OBSERVED``: the coordinator
+        counts it apart and never stops a job for it), never acted on."""
+        self.note(finding, OBSERVED)
         event = finding.event
         now, held = self._log_throttle.allow((event.kind, event.layer, "evaluation"))
         if now:

@@ -63,6 +63,24 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
 
 
 @pytest.mark.timeout(240)
+def test_an_evaluations_nan_is_counted_apart_and_the_job_trains_on(torchrun, coordinator):
+    coordinator.start()
+    job = torchrun.standalone("ddp_train.py", "--fault", "eval-input", "--fault-rank", "1",
+                              "--fault-step", "3", "--steps", "6",
+                              env={"NANGUARD_COORDINATOR": coordinator.address})
+    results = job.ok(world=2)
+    assert all(r["error"] is None and r["steps_done"] == 6 for r in results.values()), results
+    assert [e["rank"] for e in results[1]["events"]] == [1] and not results[0]["events"], results
+    assert coordinator.wait_for("nanguard_evaluation_events_total", kind=results[1]["events"][0]["kind"],
+                                rank="1") == 1
+    assert coordinator.wait_for("nanguard_ranks_finished", at_least=2) == 2
+    assert coordinator.value("nanguard_nonfinite_events_total", kind="forward", rank="1") is None
+    assert coordinator.value("nanguard_stops_total", reason="nonfinite") == 0
+    assert coordinator.value("nanguard_stops_total", reason="policy") == 0
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+
+
+@pytest.mark.timeout(240)
 def test_operator_stop_mid_run_stops_every_rank_at_one_step(torchrun, coordinator, tmp_path):
     coordinator.start()
     progress = progress_file(tmp_path)

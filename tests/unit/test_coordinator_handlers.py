@@ -128,6 +128,21 @@ def test_events_count_under_the_sending_rank_whatever_they_say():
     assert coordinator.registry.get_sample_value("nanguard_warning_events_total", {"kind": "spike", "rank": "1"}) is None
 
 
+def test_an_evaluations_events_are_counted_apart_and_never_stop_the_job():
+    coordinator = Coordinator()  # default policy: the first stop-kind event of a training step stops
+    rank = Codec("rank0@h:1:s1", None)
+    coordinator.receive(rank, "hello", HELLO)
+    forward = {"kind": "forward", "rank": 0, "step": 3, "layer": "head"}
+    coordinator.receive(rank, "events", {"rank": 0, "job": "job1", "events": [forward, forward], "action": "observe"})
+    sample = coordinator.registry.get_sample_value
+    assert sample("nanguard_evaluation_events_total", {"kind": "forward", "rank": "0"}) == 2
+    assert sample("nanguard_nonfinite_events_total", {"kind": "forward", "rank": "0"}) is None
+    assert coordinator.handlers.stops.command is None
+    coordinator.receive(rank, "events", {"rank": 0, "job": "job1", "events": [forward], "action": "raise"})
+    assert sample("nanguard_nonfinite_events_total", {"kind": "forward", "rank": "0"}) == 1
+    assert coordinator.handlers.stops.command is not None  # a training step's event still stops it
+
+
 def test_types_that_do_not_travel_to_the_coordinator_are_unexpected():
     coordinator = Coordinator()
     coordinator.refused("unexpected", Codec("x", None), "stop", {"command_id": "c", "reason": "r", "origin": "operator"})

@@ -1335,12 +1335,12 @@ def test_an_evaluation_between_optimizer_steps_is_neither_a_micro_batch_nor_a_tr
 
     from nanguard.rank.reporter import Reporter
 
-    class Sent(Reporter):  # what would go to a coordinator, whose policy stops a job on any event
+    class Sent(Reporter):  # what would go to a coordinator, whose policy stops a job on any event it acted on
         def __init__(self):
             self.notes = []
 
         def note(self, event, action):
-            self.notes.append(event)
+            self.notes.append((event, action))
 
     with nanguard.init(model, optimizer, max_pending=6) as guard:
         guard._respond.reporter = sent = Sent()
@@ -1356,7 +1356,7 @@ def test_an_evaluation_between_optimizer_steps_is_neither_a_micro_batch_nor_a_tr
         (event,) = guard.events
         assert (event.kind, event.layer, event.step, event.micro_batch) == ("forward", "0", 1, None), event
         assert "in a forward with autograd off after optimizer step 0 (an evaluation" in event.message
-        assert sent.notes == []  # an evaluation's event stops no job
+        assert sent.notes == [(event, "observe")]  # sent as an evaluation's: the coordinator stops no job for it
         with pytest.raises(nanguard.NonFiniteError) as info:
             evaluate(bad=False)
             for micro in range(2):

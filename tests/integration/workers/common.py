@@ -25,7 +25,8 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward", "backward-one", "backward-huge", "after-backward", "kill", "weight")
+FAULTS = ("none", "forward", "input", "backward", "backward-one", "backward-huge", "after-backward", "kill", "weight",
+          "eval-input")
 
 
 # --------------------------------------------------------------------------- faults
@@ -272,6 +273,11 @@ def run(args: argparse.Namespace, wrap) -> int:
             optimizer.step()
             optimizer.zero_grad()
             result["steps_done"] += 1
+            if step == args.fault_step and args.fault == "eval-input":
+                with torch.no_grad():  # an evaluation on every rank; the faulty rank's batch holds a NaN
+                    x = torch.randn(8, 8)
+                    x[0, 0] = float("nan") if faulty else 0.0
+                    model(x)
             if args.progress_file and rank == 0:
                 with open(args.progress_file + ".tmp", "w") as f:
                     f.write(str(result["steps_done"]))
