@@ -159,6 +159,9 @@ class BackwardWatch:
         self._queued = False
         if not self.attached():
             return
+        log = self.log
+        if log.buckets and (not log.bucket_passes or log.bucket_passes[-1] < len(log.buckets)):
+            log.bucket_passes.append(len(log.buckets))
         owners, norms = self.log.produced = gradient_norms(self.params())
         self.log.left = {id(p): (p.grad, version_of(p.grad)) for p in owners}
 

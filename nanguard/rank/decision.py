@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,17 +168,38 @@ def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: li
 def agree(collectives: Collectives | None, local: Finding | None) -> Finding | None:
     """The job's first finding, the same on every rank: a forward producer beats the gradients
     it poisoned, a value born on a rank beats what the all-reduce spread, then the earliest in the
-    step (a value that a collective inside the model spread is seen later than where it was born),
-    then the rank whose own shard of the module's state explains it (FSDP2), then the lowest rank."""
+    step (the first backward pass whose sum across ranks carried it; a value that a collective
+    inside the model spread is seen later than where it was born), then the rank whose own shard
+    of the module's state explains it (FSDP2), then the lowest rank."""
     if collectives is None:
         return local
-    mine = None if local is None else (local.event.to_dict(), local.born_here, local.position, local.own_state)
-    candidates = [Finding(Event.from_dict(event), born_here, position, own)
-                  for event, born_here, position, own in filter(None, collectives.all_gather_object(mine))]
+    mine = None if local is None else (local.event.to_dict(), local.born_here, local.position, local.own_state,
+                                       local.summed_pass)
+    candidates = [Finding(Event.from_dict(event), born_here, position, own, summed_pass)
+                  for event, born_here, position, own, summed_pass in filter(None, collectives.all_gather_object(mine))]
     if not candidates:
         return None
-    return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here,
+    return min(candidates, key=lambda f: (FIRST_EVENT_ORDER.get(f.event.kind, 9), not f.born_here, f.summed_pass,
                                           f.position or (math.inf, math.inf), not f.own_state, f.event.rank))
+
+
+def _relayed(first: Finding, local: Finding) -> str | None:
+    """Why this rank's ``local`` finding, which it took for born here, is what another rank's
+    ``first`` (the job's) sent it, or None: gradients an earlier backward pass's sum across ranks
+    brought in (accumulation without ``no_sync``: every rank's next buckets hold them), or a
+    module whose FSDP2-gathered weights hold the other rank's bad shard."""
+    if not (first.born_here and local.born_here):
+        return None
+    rank = first.event.rank
+    if local.event.kind in ("grad", "loss") and first.summed_pass < local.summed_pass:
+        return (f"rank {rank}'s own gradients were non-finite in an earlier backward pass of this step"
+                f" (pass {first.summed_pass + 1}), whose sum across ranks brought them here: this rank's"
+                f" gradients of pass {local.summed_pass + 1} were summed on top of them")
+    if first.own_state and not local.own_state and local.event.kind == "forward" and (
+            local.event.layer, local.position) == (first.event.layer, first.position):
+        return (f"the module's weights were gathered from every rank's shard, and rank {rank}'s holds the"
+                " non-finite values")
+    return None
 
 
 def changed_gradients(owners: list[torch.Tensor], log: StepLog,
@@ -309,7 +330,10 @@ class Decider:
                 not self.detector.backward.watched()):  # (the same on every rank)
             first.event.message = "; ".join(filter(None, (first.event.message, _UNWATCHED_RANKS)))
         if first is not None and local is not None and first.event.rank != local.event.rank:
-            if first.position is not None and local.position is not None and first.position < local.position:
+            if (why := _relayed(first, local)) is not None:  # not born here after all: not this rank's to send
+                local = replace(local, born_here=False)
+                local.event.message = "; ".join(filter(None, (local.event.message, why)))
+            elif first.position is not None and local.position is not None and first.position < local.position:
                 local.event.message = "; ".join(filter(None, (local.event.message, (
                     f"rank {first.event.rank} saw a non-finite value earlier in this step, in"
                     f" {first.event.layer or 'its model'}: it may have come here through a collective"

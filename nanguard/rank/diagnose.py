@@ -7,6 +7,7 @@ is still there. Then gradients: the first bad parameter gradient in backward ord
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ class Finding:
     own_state: bool = False
     """the module's own non-finite state on this rank explains it: with a sharded model (FSDP2)
     every rank computes with the gathered weights, and the rank holding the bad shard says so"""
+    summed_pass: int = 0
+    """which backward pass of the step (0: its first) first summed this rank's non-finite gradients
+    across ranks: with several passes summed (accumulation without ``no_sync``), what one pass's
+    all-reduce brought in is in every rank's buckets of the next, so the earliest pass is where it
+    was born"""
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
@@ -105,7 +111,15 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
         fields |= {"kind": "grad", "message": f"{fields['message']}; {_FROM_OTHER_RANK}"}
     elif fields["kind"] == "loss":
         fields["message"] = f"{fields['message']}; {_LOSS_ACROSS_RANKS}"
-    return Finding(make(fields), born_here=local_grads_bad, position=position)
+    return Finding(make(fields), born_here=local_grads_bad, position=position,
+                   summed_pass=_first_bad_pass(log, reading.buckets))
+
+
+def _first_bad_pass(log: StepLog, buckets: list[float]) -> int:
+    """The backward pass of the step (0: its first) whose probes before the sum across ranks were
+    first non-finite (``StepLog.bucket_passes``); 0 when none was."""
+    first = next((i for i, value in enumerate(buckets) if not math.isfinite(value)), None)
+    return 0 if first is None else bisect.bisect_right(log.bucket_passes, first)
 
 
 def _backward_position(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],

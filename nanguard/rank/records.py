@@ -329,6 +329,10 @@ class StepLog:
     """probes of the gradients before they are summed across ranks (DDP buckets, FSDP2 reduce-scatters)"""
     bucket_groups: list[str] = field(default_factory=list)
     """for FSDP2, the ``fully_shard``-ed module whose gradients each of ``buckets``' pairs probed"""
+    bucket_passes: list[int] = field(default_factory=list)
+    """how many ``buckets`` probes there were when each backward pass that made some ended: with
+    several passes in a step (accumulation without ``no_sync``), a later pass's buckets hold the
+    gradients an earlier pass's all-reduce brought in"""
     batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]] = field(default_factory=list)
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
@@ -359,7 +363,7 @@ class StepLog:
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
-                     self.bucket_groups, self.batches):
+                     self.bucket_groups, self.bucket_passes, self.batches):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

@@ -63,6 +63,24 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("worker, fault, kind", [
+    # FSDP2: every rank's forward uses the weight gathered with rank 1's bad shard
+    ("fsdp_train.py", ("--fault", "weight"), "forward"),
+    # accumulation without no_sync: rank 1's NaN of micro-batch 0 is in rank 0's buckets of micro-batch 1
+    ("ddp_train.py", ("--fault", "backward", "--accum", "2", "--sync-every-micro"), "grad"),
+], ids=["fsdp2 shard", "ddp accumulation"])
+def test_only_the_rank_where_the_nan_was_born_reports_an_event(torchrun, coordinator, worker, fault, kind):
+    coordinator.start()
+    job = torchrun.standalone(worker, *fault, "--fault-rank", "1", "--fault-step", "3", "--steps", "5",
+                              env={"NANGUARD_COORDINATOR": coordinator.address})
+    results = job.ok(world=2)
+    assert {r["error"]["event"]["rank"] for r in results.values()} == {1}, results
+    assert coordinator.wait_for("nanguard_nonfinite_events_total", kind=kind, rank="1") == 1
+    assert coordinator.wait_for("nanguard_ranks_finished", at_least=2) == 2
+    assert coordinator.value("nanguard_nonfinite_events_total", kind=kind, rank="0") is None
+
+
+@pytest.mark.timeout(240)
 def test_an_evaluations_nan_is_counted_apart_and_the_job_trains_on(torchrun, coordinator):
     coordinator.start()
     job = torchrun.standalone("ddp_train.py", "--fault", "eval-input", "--fault-rank", "1",

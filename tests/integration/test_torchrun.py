@@ -183,6 +183,19 @@ def test_ddp_gradient_accumulation_names_the_micro_batch(torchrun):
 
 
 @pytest.mark.timeout(180)
+def test_ddp_accumulation_without_no_sync_names_the_rank_whose_backward_made_the_nan(torchrun):
+    # every micro-batch's backward all-reduces: rank 1's NaN of micro-batch 0 is in every rank's
+    # accumulated gradients, and so in rank 0's buckets of micro-batch 1, before their all-reduce
+    job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1", "--fault-step", "3",
+                              "--fault-micro", "0", "--accum", "2", "--sync-every-micro", "--steps", "5")
+    results = job.ok(world=2)
+    event = assert_common_stop(results, step=3)
+    assert (event["kind"], event["rank"], event["layer"]) == ("grad", 1, "blocks.1.fc.weight"), event
+    (own,) = [e for e in results[0]["events"] if e["rank"] == 0]
+    assert "earlier backward pass of this step (pass 1), whose sum across ranks brought them here" in own["message"]
+
+
+@pytest.mark.timeout(180)
 def test_three_ranks_clean_run_never_stops(torchrun):
     job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
     results = job.ok(world=3)

@@ -203,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-grad", action="store_true",
                    help="a cross-rank mean after embed whose backward all-reduces gradients (GradSyncMean)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--sync-every-micro", action="store_true",
+                   help="DDP sums the gradients of every micro-batch (no no_sync)")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
     p.add_argument("--warn-every-step", action="store_true",

@@ -15,7 +15,8 @@ def wrap(net):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         model.register_comm_hook(None, fp16_compress_hook)
-    return model, model.no_sync
+    # --sync-every-micro: accumulation without no_sync, every micro-batch's backward all-reduces
+    return model, contextlib.nullcontext if "--sync-every-micro" in sys.argv else model.no_sync
 
 
 if __name__ == "__main__":
