@@ -20,6 +20,7 @@ from ..errors import NanguardError, ReplayFinished
 from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
+from ..rank import forensics
 from ..rank.detector import skipped
 from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, dtensor, is_wrapper,
                             non_persistent_buffers, plain_names, type_name, untraced, unwrap, within)
@@ -219,6 +220,8 @@ class Replay(StepObserver):
         self._handed_over = False
         """a trainer handed the batch over (``batch_given``): its training_step takes it, not the model"""
         self.own_data = False
+        self.bad_state: list[str] = []
+        """the model's captured tensors that were non-finite already (before the step)"""
         """some of what the step was fed came from the script, not from the incident"""
         self._others: dict[str, int] = {}
         """forwards so far of the models beside the first (a bare init()'s other roots), by prefix"""
@@ -276,6 +279,8 @@ class Replay(StepObserver):
         unpersisted = _unpersisted(self.state, unwrapped, self._state_path, self.notes)
         back = devices.move(root, self.device) if self.device is not None else None
         _load_into(unwrapped, self.state["model"], unpersisted, self._loaded)  # (onto the replay's device)
+        self.bad_state = [name for name, value in self.state["model"].items()
+                          if isinstance(value, torch.Tensor) and not forensics.is_finite(value)]
         self._model_loaded = True
         self._root = root
         self._install(root, param_names, back)
@@ -396,7 +401,7 @@ class Replay(StepObserver):
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,
-                   "own_data": self.own_data,
+                   "own_data": self.own_data, "bad_state": self.bad_state,
                    "operations": self.ops.result() if self.ops is not None else None,
                    "samples": self._search(),
                    "device": devices.this_one(devices.device_of(self._root) if self._root is not None

@@ -29,6 +29,7 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     notes = sorted({note for t in traces for note in t["notes"]})
     suspect = _suspect(incident, original)
     own_data = any(t.get("own_data") for t in traces)
+    bad_state = {t["rank"]: t["bad_state"] for t in traces if t.get("bad_state")}
     if reproducible and None not in (event.micro_batch, original.micro_batch) and event.micro_batch != original.micro_batch:
         notes.append(f"found at micro-batch {event.micro_batch} here, at micro-batch {original.micro_batch} in the"
                      " original: the incident holds the state as it was at the stop, so what was written into"
@@ -39,15 +40,16 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     other_rank = layout.alone and layout.part != original.rank
     return {
         "verdict": "reproducible" if reproducible else "not_reproducible",
-        "message": _message(original, event, reproducible, suspect, layout, own_data),
+        "message": _message(original, event, reproducible, suspect, layout, own_data, bad_state),
         "incident": incident.name,
         "step": incident.step,
         "world_size": world,
         "original_event": original.to_dict(),
         "first_event": event.to_dict() if event is not None else None,
         "same": same,
-        "suspects": [] if reproducible or other_rank or own_data else [suspect],
+        "suspects": [] if reproducible or other_rank or own_data or bad_state else [suspect],
         "own_data": own_data,
+        "bad_state": {str(rank): names for rank, names in bad_state.items()},
         "trace": {str(t["rank"]): t["trace"] for t in traces},
         "notes": notes,
         "layout": {"incident_world_size": incident.world_size, "replayed_ranks": [t["rank"] for t in traces],
@@ -56,7 +58,10 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
         "samples": {str(t["rank"]): t["samples"] for t in traces},
         "bad_samples": bad_samples(traces),
         "skip_file": None,
-        "devices": _devices(incident, original, event, traces, reproducible, own_data),
+        "devices": _devices(incident, original, event, traces, reproducible, (
+            "not fed all of the step's own data, the replay says nothing of the device" if own_data else
+            "the captured state already held non-finite values, the replay says nothing of the device"
+            if bad_state else None)),
         "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
                      "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -70,7 +75,7 @@ def _now() -> str:
 
 
 def _message(original: Event, event: Event | None, reproducible: bool, suspect: dict[str, Any],
-             layout: Layout, own_data: bool) -> str:
+             layout: Layout, own_data: bool, bad_state: dict[int, list[str]]) -> str:
     where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
     if reproducible:
         return (f"the same {where} happened again with the captured weights, batch and random"
@@ -79,8 +84,18 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
         return (f"rank {layout.part} was replayed alone and the original {where} came from rank"
                 f" {original.rank}: this replay cannot reproduce it and says nothing of rank"
                 f" {original.rank}'s hardware (NANGUARD_REPLAY_RANK={original.rank} replays that rank)")
+    found = "the step ran clean" if event is None else f"the replay found a different first event ({event})"
+    if bad_state:
+        held = "; ".join(f"rank {rank}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                         for rank, names in sorted(bad_state.items()))
+        return (f"{found}, but the captured state already holds non-finite values ({held}): they were there"
+                " before the step began, so the step did not make them, and this replay says nothing of the"
+                " hardware that ran it. The replayed step did not use them as they were (something put"
+                " finite values in their place first, as DDP's broadcast of rank 0's buffers does, or read"
+                f" them elsewhere); the original {where} may have come from them. They were written by an earlier"
+                " step let through, a checkpoint loaded, or code between steps (an evaluation with the model in"
+                " train mode writes BatchNorm's statistics)")
     if own_data:
-        found = "the step ran clean" if event is None else f"the replay found a different first event ({event})"
         return (f"{found}, but not on the step's own data alone: the script's own inputs took the place"
                 " of what the incident does not hold, or some of its micro-batches were never fed (see the"
                 f" notes). The original {where} may have come with that data, so this replay says nothing"
@@ -102,9 +117,10 @@ def _suspect(incident: Incident, original: Event) -> dict[str, Any]:
 
 
 def _devices(incident: Incident, original: Event, event: Event | None, traces: list[dict[str, Any]],
-             reproducible: bool, own_data: bool) -> dict[str, Any]:
+             reproducible: bool, silent: str | None) -> dict[str, Any]:
     """The original device against this replay's (and earlier replays') for the rank that saw it.
-    A replay that cannot speak of it leaves the earlier replays' records as they were."""
+    A replay that cannot speak of it (``silent``: why, when it did not reproduce the event) leaves
+    the earlier replays' records as they were."""
     try:
         earlier = devices.earlier_runs(incident.replay_report())
     except IncidentError:
@@ -113,9 +129,8 @@ def _devices(incident: Incident, original: Event, event: Event | None, traces: l
     if mine is None:
         return {"finding": "not_compared", "replayed": None, "replays": earlier,
                 "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
-    if own_data and not reproducible:
-        return {"finding": "not_compared", "replayed": mine, "replays": earlier,
-                "message": "not fed all of the step's own data, the replay says nothing of the device"}
+    if silent is not None and not reproducible:
+        return {"finding": "not_compared", "replayed": mine, "replays": earlier, "message": silent}
     run = {**mine, "rank": original.rank, "bad": event is not None, "reproducible": reproducible,
            "time": _now()}
     return devices.compare(devices.original(incident, original.rank, original), earlier + [run],

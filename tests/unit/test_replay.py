@@ -548,6 +548,55 @@ def test_a_replay_of_modules_called_directly_says_it_ran_on_the_scripts_own_data
     assert any("root module ran no forward" in note for note in report["notes"])
 
 
+class Scaled(nn.Module):
+    """A linear map times a buffer; ``refreshed``: the buffer is set to ones as each forward begins
+    (as DDP's broadcast of rank 0's buffers overwrites another rank's, in a replay where it runs)."""
+
+    def __init__(self, refreshed: bool):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(16))
+        self.refreshed = refreshed
+
+    def forward(self, x):
+        if self.refreshed:
+            self.scale.fill_(1.0)
+        return self.lin(x) * self.scale
+
+
+def stale_script(refreshed: bool = False):
+    """Code between steps writes a NaN into a buffer (an evaluation with BatchNorm in train mode
+    does): the next step's forward uses it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Scaled(refreshed), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer):
+        for step in range(4):
+            if step == 2 and not refreshed:
+                model[1].scale[3] = math.nan
+            x, y = data(step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return err
+            optimizer.zero_grad()
+
+
+def test_a_clean_replay_of_a_state_that_held_the_nan_blames_no_hardware(monkeypatch):
+    err = stale_script()
+    assert (err.event.kind, err.event.layer, err.event.step) == ("forward", "1", 2), err.event
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    with pytest.raises(SystemExit):
+        stale_script(refreshed=True)  # the replayed step puts finite values in its place first
+    report = read_incident(err.incident).replay_report()
+    assert report["verdict"] == "not_reproducible" and report["first_event"] is None
+    assert report["bad_state"] == {"0": ["1.scale"]} and report["suspects"] == [], report
+    assert "the captured state already holds non-finite values (rank 0: 1.scale)" in report["message"]
+    assert "transient fault" not in report["message"]
+    assert report["devices"]["finding"] == "not_compared"
+
+
 def unkept_script(fault: bool = True):
     """G and D given to init in a container the script does not keep (so it is freed at once)."""
     torch.manual_seed(0)
