@@ -193,7 +193,8 @@ class Detector:
             return  # inside torch.func (vmap, grad): no value to read; the result outside is checked
         # forensics.plain without its detach: a reduction with autograd off needs none (a detach
         # makes a tensor: 5-9 us inside a step here), and what reads a kept tensor later detaches
-        local = tensor if type(tensor) is torch.Tensor and not tensor.is_complex() else forensics.plain(tensor)
+        local = tensor if type(tensor) is torch.Tensor and not (tensor.is_complex() or tensor.is_nested) else \
+            forensics.plain(tensor)
         numel = local.numel()
         if not numel:
             return  # nothing in it can be non-finite
@@ -215,7 +216,8 @@ class Detector:
             values.extend(gradless(torch.aminmax, local, out=slots.take(local)))
         records = log.records
         self._seen[id(tensor)] = (ref, version, len(records))
-        records.append(Probe(role, slot, kept, version, tensor.shape, tensor.dtype, lazy, False, field, None, pos,
+        shape = tensor.shape if local is tensor or not tensor.is_nested else local.shape  # (a nested one has none)
+        records.append(Probe(role, slot, kept, version, shape, tensor.dtype, lazy, False, field, None, pos,
                              passed, -1, log.calls))
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,7 +12,8 @@ import torch
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view).
+    """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view, a
+    nested tensor's values).
 
     Cheap (no copy, no sync): the detector's hot path uses it too.
     """
@@ -20,9 +21,20 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
         to_local = getattr(tensor, "to_local", None)  # DTensor shards (FSDP2, tensor parallel)
         if to_local is not None:
             tensor = to_local()
+    if tensor.is_nested:  # (nn.TransformerEncoder's fast path with a padding mask, autograd off)
+        tensor = _nested_values(tensor)
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _nested_values(tensor: torch.Tensor) -> torch.Tensor:
+    """Every element of a nested tensor, flat: its buffer where it has one (no copy), else its
+    components padded with zeros, which are finite."""
+    try:
+        return tensor.values()
+    except (RuntimeError, NotImplementedError):
+        return torch.nested.to_padded_tensor(tensor, 0.0)
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

@@ -1423,3 +1423,39 @@ def test_an_evaluation_amid_micro_batches_or_of_a_models_part_is_left_unchecked(
                 optimizer.zero_grad()
         assert guard.step == 4 and [e.step for e in guard.events] == [3]
     assert (info.value.event.step, info.value.event.micro_batch) == (3, 2), info.value.event
+
+
+@pytest.mark.parametrize("off", [torch.no_grad, torch.inference_mode])
+def test_an_encoder_evaluated_on_its_nested_tensor_fast_path_is_checked(off):
+    # nn.TransformerEncoder with a padding mask and autograd off hands nested tensors to its layers
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.01)
+    x = torch.randn(4, 10, 16)
+    padding = torch.zeros(4, 10, dtype=torch.bool)
+    padding[0, 7:] = True
+    nested = []
+    encoder.layers[1].register_forward_pre_hook(
+        lambda module, args: nested.append(args[0].is_nested) if not torch.is_grad_enabled() else None)
+
+    def evaluate(bad: bool):
+        encoder.eval()
+        with off():
+            given = x.clone()
+            if bad:
+                given[1, 2, 3] = math.nan  # a token that is not padding
+            out = encoder(given, src_key_padding_mask=padding)
+        encoder.train()
+        return out
+
+    with nanguard.init(encoder, optimizer) as guard:
+        for step in range(3):
+            encoder(x, src_key_padding_mask=padding).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            evaluate(bad=step == 1)
+        assert nested == [True] * 3  # the fast path ran, nested tensors and all
+        assert guard.step == 3 and guard.incident is None
+        (event,) = guard.events
+    assert (event.kind, event.step) == ("forward", 2), event
+    assert event.layer.startswith("layers.0") and "(an evaluation" in event.message, event
