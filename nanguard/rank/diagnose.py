@@ -253,10 +253,17 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True, "message": _join(
             where, f"or it was made here, where its {bad}" if bad else None, fields.get("message"))}
     # infinities alone came in (an additive -inf mask does that on purpose): the output may have
-    # been made bad here, from them or not, or may carry them on; a bad parameter of its own is named
+    # been made bad here, from them or not, or may carry them on. With a bad parameter of its own
+    # and a NaN out, the NaN is this module's (an attention's bad projection under a mask), not its
+    # input's: named so; otherwise where the infinities came from leads
+    bad = _bad_state(log, info)
+    if fields.get("has_nan") and bad:
+        note = ("inputs held infinities but no NaN (as an additive attention mask does): the NaN was born in"
+                f" this module, from them or otherwise; its {bad}")
+        return fields | {"kind": "forward", "input_nonfinite": False, "output_nonfinite": True,
+                         "message": _join(note, fields.get("message"))}
     made = ("the NaN was made here, from them or otherwise" if fields.get("has_nan")
             else "the output's infinities came with it, or were made here")
-    bad = _bad_state(log, info)
     note = _join(f"{where}; it held infinities but no NaN (as an additive attention mask does): {made}",
                  f"its {bad}" if bad else None)
     return fields | {"kind": "forward", "input_nonfinite": True, "output_nonfinite": True,
@@ -291,8 +298,8 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
             batch = _bad_batch(catalog, log, index)  # forward code computes from the batch too (a mask)
             where = (f"{batch[2]}, with NaN, which the forward code of {code} may have carried here before this"
                      " module ran (or that code made the value)" if batch and batch[0] else
-                     "the value was born outside any module, before this module ran, in the forward code of"
-                     f" {code}")
+                     "the non-finite input was born outside any module, before this module ran, in the forward"
+                     f" code of {code}")
             return math.isnan(pair[0]), log.records[seen].tensor(), f"its input was already non-finite: {where}"
     return _bad_batch(catalog, log, index)
 

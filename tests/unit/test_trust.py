@@ -1459,3 +1459,41 @@ def test_an_encoder_evaluated_on_its_nested_tensor_fast_path_is_checked(off):
         (event,) = guard.events
     assert (event.kind, event.step) == ("forward", 2), event
     assert event.layer.startswith("layers.0") and "(an evaluation" in event.message, event
+
+
+@pytest.mark.parametrize("weight, mask", [
+    ("out_proj.weight", "padding"), ("in_proj_weight", "padding"), ("out_proj.weight", "causal"),
+    # (in_proj_weight under a causal mask: torch's CPU attention kernel gives a finite output, and the
+    # gradient report names the weight)
+])
+def test_an_attention_whose_own_weight_is_bad_under_an_infinite_mask_is_named_as_the_maker(weight, mask):
+    # nn.MultiheadAttention uses both weights in its own code; the mask holds -inf on purpose
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+    attention = encoder.layers[0].self_attn
+    x = torch.randn(4, 10, 16)
+    masks = {"src_key_padding_mask": torch.zeros(4, 10, dtype=torch.bool)} if mask == "padding" else {
+        "mask": nn.Transformer.generate_square_subsequent_mask(10), "is_causal": True}
+    if mask == "padding":
+        masks["src_key_padding_mask"][0, 7:] = True
+
+    def fault():
+        dict(attention.named_parameters())[weight][0, 3] = math.nan
+
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.0)
+    with nanguard.init(encoder, optimizer):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    fault()
+            encoder(x, **masks).pow(2).mean().backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+                break
+            optimizer.zero_grad()
+    assert (event.kind, event.layer, event.step, event.input_nonfinite) == (
+        "forward", "layers.0.self_attn", 2, False), event
+    assert str(event).startswith("non-finite output in layers.0.self_attn"), str(event)
+    assert f"{weight} are non-finite" in event.message and "born outside any module" not in event.message, event.message
