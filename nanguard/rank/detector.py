@@ -29,6 +29,7 @@ What is probed:
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
@@ -61,6 +62,7 @@ LET_GO_BYTES = 512 << 10
 read (about 17 us inside a small MLP's step here) costs more than the memory it gives back saves
 (glibc serves small blocks from its heap; a fresh mapping of 512 KiB is ~128 page faults), unless
 they hold more than half the detail budget, which the next micro-batch needs"""
+_logger = logging.getLogger("nanguard")
 _transformed = torch._C._functorch.is_functorch_wrapped_tensor
 _graph_task = torch._C._current_graph_task_id
 """-1 outside a backward pass"""
@@ -120,6 +122,8 @@ class Detector:
         """root forwards in progress (a root called inside another's is not a micro-batch)"""
         self.aside = False
         """the root forward in progress is an evaluation amid a training step's micro-batches"""
+        self.warned_copy = False
+        """a copy of a guarded module ran its hooks (said once: ``_copied``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -356,14 +360,30 @@ def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
 
 
+def _copied(detector: Detector, module: nn.Module) -> None:
+    """A module that is not the one a hook was registered on runs it: a copy of a guarded module
+    made after init (``copy.deepcopy``, an EMA's ``AveragedModel``) carries its hooks. Its calls
+    are not checked (they would be taken for the original's, and count as its micro-batches);
+    said once."""
+    if not detector.warned_copy:
+        detector.warned_copy = True
+        _logger.warning("nanguard: a copy of a guarded %s, made after nanguard.init (copy.deepcopy, an EMA's"
+                        " AveragedModel), runs nanguard's hooks: its forwards are not checked; give the copy to"
+                        " nanguard.init too, or copy the model before init", type(module).__name__)
+
+
 def _root_hooks(detector: Detector, root_slot: int):
     """The forward pre- and post-hook of a root. Untraced: a root compiled in place runs them
     inside its compiled frame, where its bookkeeping would recompile on every new micro-batch
     number. A root called inside another's forward (a bare init() found a model's child first,
     when the script called it alone) is a module there: not a micro-batch, nor its input a batch.
     The post-hook runs when the forward raises too (``always_call``), with no output."""
+    owner = detector.catalog.slots[root_slot].module
+
     @untraced
     def pre(module, args, kwargs):
+        if module is not owner():
+            return _copied(detector, module)
         detector.depth += 1
         if detector.depth == 1:
             # autograd off once a training forward of the step ran: an evaluation between its
@@ -374,7 +394,8 @@ def _root_hooks(detector: Detector, root_slot: int):
 
     @untraced
     def post(module, args, kwargs, output):
-        detector.root_end(output)
+        if module is owner():
+            detector.root_end(output)
 
     return pre, post
 
@@ -418,12 +439,15 @@ def forward_hook(detector: Detector, slot: int, mode: int, leaf: bool, named: bo
     compiled = Probe(OUT, slot, None, compiled=True)  # one record for every compiled call
     tensor_type = torch.Tensor
     passing = True if mode == PASS_MODE or untouched else None
+    owner = detector.catalog.slots[slot].module
 
     def hook(module, args, kwargs, output):
         if is_compiling():
             if mode == CHECK_MODE and leaf:
                 _compiled_call(log, compiled, output)
             return None
+        if module is not owner():
+            return _copied(detector, module)  # a copy made after init carries this hook: not this slot's
         if detector.aside or (not detector.depth and not _called_outside(detector, output)):
             return None  # an evaluation's call amid training, or of a model's part, autograd off: not checked
         log.calls += 1

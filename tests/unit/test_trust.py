@@ -5,6 +5,8 @@ produced, norms never overflow on finite gradients, and whatever a module return
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 
 import math
 
@@ -1489,3 +1491,32 @@ def test_an_attention_whose_own_weight_is_bad_under_an_infinite_mask_is_named_as
         "forward", "encoder.layers.0.self_attn", 2, False), event
     assert str(event).startswith("non-finite output in encoder.layers.0.self_attn"), str(event)
     assert f"{weight} are non-finite" in event.message and "born outside any module" not in event.message, event.message
+
+
+def test_a_copy_made_after_init_is_not_taken_for_the_guarded_model(caplog):
+    # copy.deepcopy copies the hooks too: an EMA model and a frozen teacher, copied after init
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with caplog.at_level(logging.WARNING, logger="nanguard"), nanguard.init(model, optimizer) as guard:
+        ema, teacher = AveragedModel(model), copy.deepcopy(model).requires_grad_(False)
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                for micro in range(2):  # the teacher runs with autograd on beside every micro-batch
+                    target = teacher(x).softmax(-1)
+                    out = model(x if (step, micro) != (2, 1) else x.log())  # (a NaN made in the script)
+                    (nn.functional.cross_entropy(out, y) + (out.softmax(-1) - target).pow(2).mean()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                ema.update_parameters(model)
+                with torch.no_grad():
+                    ema.module[0].weight[0, 0] = math.nan  # the copy's weight only
+                    ema(x)
+    event = info.value.event
+    assert (event.kind, event.layer, event.step, event.micro_batch) == ("forward", "0", 2, 1), event
+    assert event.input_nonfinite is True and guard.events == [event]  # the EMA's NaN is in no event
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert sum("a copy of a guarded" in r.getMessage() for r in caplog.records) == 1
