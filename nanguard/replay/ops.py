@@ -31,7 +31,10 @@ from ..rank.modules import plain_names, type_name
 from .frames import NANGUARD, anomaly_frames, calling_frames
 from .operands import base_name, describe_input, why
 
-LIMIT = 4  # operations kept per phase: the first ones are what matter
+LIMIT = 4
+"""operations kept per phase and kind (those that made a NaN, those that made infinities alone): the
+first ones are what matter, and harmless infinities (T5's log of a zero distance, discarded) must not
+crowd out the NaN"""
 _MODULE_KEY = "nanguard_module"  # in an autograd node's metadata: (name, type) of the module that made it
 _MAX_INPUTS = 8
 _KEEP_BYTES = 16 << 20  # an in-place operation's input is copied, to be described, up to this size
@@ -90,6 +93,8 @@ class OpWatch:
     def __init__(self, micro_batch: Callable[[str | None], int]):
         self.micro_batch = micro_batch
         self.records: dict[str, list[dict[str, Any]]] = {"forward": [], "backward": []}
+        self._kept = {(phase, nan): 0 for phase in self.records for nan in (False, True)}
+        """operations kept by (phase, made a NaN)"""
         self.checked = 0
         self.skipped: set[str] = set()
         """names of modules whose outputs may be non-finite on purpose (skip_types, skip_modules)"""
@@ -166,7 +171,7 @@ class OpWatch:
     def on_op(self, func, args: tuple, kwargs: dict) -> Any:
         name = func.name()
         if (self._paused or name.partition(".")[0] in _UNINITIALISED or func.namespace in _COLLECTIVES
-                or all(len(r) >= LIMIT for r in self.records.values())):
+                or all(count >= LIMIT for count in self._kept.values())):
             return func(*args, **kwargs)
         before = _before(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -189,12 +194,15 @@ class OpWatch:
                bad: torch.Tensor) -> None:
         node = torch._C._current_autograd_node()
         phase = "forward" if node is None else "backward"
-        if len(self.records[phase]) >= LIMIT:
+        if self._kept[phase, False] >= LIMIT and self._kept[phase, True] >= LIMIT:
             return
         inputs = _inputs(func, args, kwargs, before)
         written = _nan_written(func, inputs, self._number)
         if written is None and not all(_finite(value) for _, value in inputs):
             return  # it passed a non-finite value on: not where it was made
+        nan = bool(torch.isnan(bad).any())
+        if self._kept[phase, nan] >= LIMIT:
+            return
         who, frames = calling_frames()
         if who == NANGUARD:
             return  # nanguard's own bookkeeping (a probe's sum of huge finite values)
@@ -212,6 +220,7 @@ class OpWatch:
         else:
             record.update(_backward_fields(node, frames))
         self.records[phase].append(record)
+        self._kept[phase, nan] += 1
 
     def _module(self, node: Any) -> tuple[str | None, str | None]:
         if node is None:

@@ -51,11 +51,16 @@ def detail_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, text) lines for the operations, the bad samples, the devices and the layout; none
     for what a report (of an older nanguard) does not have."""
     lines: list[tuple[str, str]] = []
+    event = report.get("first_event") or report.get("original_event") or {}
     for rank, ops in _by_rank(report.get("operations")):
         if ops is None:
             continue
         for phase in ("forward", "backward"):
-            lines += [("operation", f"rank {rank} {phase}: {operation(op)}") for op in ops[phase][:1]]
+            lead = _lead(ops[phase], event)
+            if lead is not None:
+                others = len(ops[phase]) - 1
+                more = f" ({others} other(s) in replay.json)" if others else ""
+                lines.append(("operation", f"rank {rank} {phase}: {operation(lead)}{more}"))
         if not ops["forward"] and not ops["backward"]:
             lines.append(("operation", f"rank {rank}: none of the {ops['operations_checked']} operations"
                                        " checked made a non-finite value from finite inputs"))
@@ -67,6 +72,27 @@ def detail_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(found, dict) and found.get("message"):
         lines.append(("device", found["message"]))
     return lines
+
+
+def _lead(ops: list[dict[str, Any]], event: dict[str, Any]) -> dict[str, Any] | None:
+    """The operation to show first, of those that made a non-finite value from finite inputs: the
+    first in the module of the replay's first event (or a module around it or inside it) before
+    others, and of those the first that made a NaN where the event holds one. An infinity made
+    elsewhere (T5's log of a zero distance, which its code discards) is not where the event's value
+    came from."""
+    if not ops:
+        return None
+    layer = event.get("layer") or ""
+
+    def near(module: str | None) -> bool:
+        return bool(module and layer) and (module == layer or layer.startswith(module + ".")
+                                           or module.startswith(layer + "."))
+
+    def made_nan(op: dict[str, Any]) -> bool:
+        return bool(event.get("has_nan")) and bool((op.get("output") or {}).get("nan_count"))
+
+    ranked = sorted(ops, key=lambda op: (not near(op.get("module")), not made_nan(op)))  # (stable: in order)
+    return ranked[0]
 
 
 def _by_rank(section: Any) -> list[tuple[str, Any]]:

@@ -59,6 +59,34 @@ def test_log_of_a_negative_number_in_a_custom_forward(monkeypatch, capsys):
     assert "operation    rank 0 forward: aten::log in module 1 (LogFeatures), micro-batch 0" in text
 
 
+class Bucketed(nn.Module):
+    """T5's relative-position bucket: a log of every distance, whose zeros give -inf that the code
+    discards (harmless, and made before anything bad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        distance = torch.arange(x.shape[1], dtype=x.dtype).abs()
+        scale = torch.where(distance > 0, torch.log(distance), torch.zeros_like(distance))
+        return self.lin(x) + 0.0 * scale
+
+
+def test_harmless_infinities_made_before_the_nan_do_not_hide_or_lead_it(monkeypatch, capsys):
+    # more harmless -inf makers than the operations kept per kind, then the NaN's maker
+    def model():
+        return nn.Sequential(nn.Linear(8, 16), *(Bucketed() for _ in range(6)), LogFeatures(), nn.Linear(16, 4))
+
+    err = run(model, labelled)
+    assert err is not None and err.event.layer == "7"
+    report = replay(monkeypatch, err.incident, model, labelled)
+    ops = report["operations"]["0"]["forward"]
+    assert [op["module"] for op in ops if op["output"]["nan_count"]] == ["7"], ops
+    assert sum(not op["output"]["nan_count"] for op in ops) == 4  # the infinities kept: no more than the limit
+    assert "operation: rank 0 forward: aten::log in module 7 (LogFeatures)" in capsys.readouterr().out
+
+
 class MaskedMean(nn.Module):
     """Mean over the samples a mask selects: 0/0 when the batch selects none."""
 
