@@ -34,18 +34,18 @@ class BackwardWatch:
         """the gradients the backward pass leaves are scaled (a GradScaler's): their norms say which are
         finite, not how large they are"""
         self._params: list[weakref.ref] = []
-        """every trainable parameter of the attached roots (weakly: a guard keeps no model alive)"""
+        """every parameter of the attached roots, frozen ones too (weakly: a guard keeps no model
+        alive): one unfrozen later (gradual unfreezing) has its gradients read from then on"""
         self._queued = False
         self.armed = False
         """a forward output's node will say when the step's next backward pass starts"""
 
     def params(self) -> list[torch.Tensor]:
-        """The trainable parameters of the attached roots that are still alive."""
+        """The parameters of the attached roots that are still alive."""
         return [p for ref in self._params if (p := ref()) is not None]
 
     def add_parameter(self, param: torch.Tensor) -> None:
-        if param.requires_grad:
-            self._params.append(weakref.ref(param))
+        self._params.append(weakref.ref(param))
 
     def watch_collectives(self, root: nn.Module, names: dict[nn.Module, str]) -> None:
         """Watch what sums the gradients across ranks in ``root`` (its modules by qualified name,

@@ -1520,3 +1520,23 @@ def test_a_copy_made_after_init_is_not_taken_for_the_guarded_model(caplog):
     assert event.input_nonfinite is True and guard.events == [event]  # the EMA's NaN is in no event
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sum("a copy of a guarded" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_layer_unfrozen_during_training_has_its_gradients_checked():
+    # gradual unfreezing: the first layer, frozen when init ran, trains from step 2; a NaN born in
+    # the backward reaches only its gradients at step 3, and must not be applied
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), GradFault(), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(6):
+                if step == 2:
+                    model[0].requires_grad_(True)
+                model[1].armed = step == 3
+                model(torch.randn(5, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert (info.value.event.kind, info.value.event.layer, info.value.event.step) == ("grad", "0.weight", 3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
