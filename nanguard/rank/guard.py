@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._dist import Collectives, RankInfo, settle_gloo_workers
 from ..config import Settings
@@ -29,6 +28,7 @@ from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
 from .modules import unwrap_optimizer
+from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
 from .respond import Responder, models_to_save, step_inputs
@@ -97,10 +97,8 @@ class Guard:
             self._attach(model)
         else:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
-        if optimizers:
-            self._handles += [optimizer.register_step_pre_hook(self._on_step) for optimizer in optimizers]
-        else:
-            self._handles.append(register_optimizer_step_pre_hook(self._on_step))
+        self._handles += OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
+                                        everything=model is None).install()
 
     # ------------------------------------------------------------------ public surface
     @property

@@ -1540,3 +1540,40 @@ def test_a_layer_unfrozen_during_training_has_its_gradients_checked():
                 optimizer.zero_grad()
     assert (info.value.event.kind, info.value.event.layer, info.value.event.step) == ("grad", "0.weight", 3)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_optimizer_re_created_after_init_is_decided_at(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), GradFault(), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="nanguard"), nanguard.init(model, optimizer):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(8):
+                if step == 3:  # a second phase of training, or a checkpoint loaded: a new optimizer
+                    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+                model[1].armed = step == 5
+                model(torch.randn(5, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert (info.value.event.kind, info.value.event.step) == ("grad", 5), info.value.event
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert sum("an optimizer not given to nanguard.init (Adam)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_second_guard_without_an_optimizer_leaves_the_first_ones_optimizer_alone():
+    # a teacher guarded apart, with no optimizer: the student's optimizer steps nothing of it
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(4, 8), GradFault(), nn.ReLU(), nn.Linear(8, 2))
+    teacher = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).requires_grad_(False)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with nanguard.init(student, optimizer) as guard, nanguard.init(teacher) as other:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(4):
+                student[1].armed = step == 2
+                x = torch.randn(5, 4)
+                (student(x) - teacher(x)).pow(2).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("grad", "0.weight", 2), event
+    assert guard.events == [event] and not other.events

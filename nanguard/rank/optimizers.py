@@ -1,0 +1,62 @@
+"""Which optimizers a guard decides at: those given to ``init`` (each with a step pre-hook of its
+own), and any other whose step would update the guarded models' parameters (one re-created after
+``init``, one made later for a second phase of training, a bare ``init()``'s), found by one
+process-wide step pre-hook. An optimizer of another model (another guard's, or no guard's) is left
+alone: deciding there would read gradients this guard cannot name."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+log = logging.getLogger("nanguard")
+
+StepHook = Callable[[torch.optim.Optimizer, tuple, dict], Any]
+
+
+class OptimizerWatch:
+    """Installs the step pre-hooks that call ``on_step`` for this guard's optimizers.
+    ``param_names``: the guarded models' parameters by id (``Catalog.param_names``, which grows
+    as models are attached); ``everything``: a bare ``init()``'s guard, which decides at every
+    optimizer (a model it never saw, compiled in place, still has its gradients checked)."""
+
+    def __init__(self, given: Sequence[torch.optim.Optimizer], param_names: dict[int, str], on_step: StepHook,
+                 everything: bool = False):
+        self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(given)
+        self._names = param_names
+        self._on_step = on_step
+        self._everything = everything
+        self._announce = bool(given)  # (an optimizer found under a bare init() is the expected one)
+        self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[bool, int, int]] = \
+            weakref.WeakKeyDictionary()
+        """whether an optimizer steps guarded parameters, with what that was judged on (how many
+        parameters were guarded, how many groups it had): judged again when either grows"""
+
+    def install(self) -> list[Any]:
+        """The hooks' handles."""
+        handles = [optimizer.register_step_pre_hook(self._on_step) for optimizer in self._given]
+        return handles + [register_optimizer_step_pre_hook(self._any)]
+
+    def _any(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        if optimizer in self._given or not (self._everything or self._steps_guarded(optimizer)):
+            return None  # a given one's own hook decides; another model's is not this guard's
+        return self._on_step(optimizer, args, kwargs)
+
+    def _steps_guarded(self, optimizer: torch.optim.Optimizer) -> bool:
+        basis = (len(self._names), len(optimizer.param_groups))
+        verdict = self._verdicts.get(optimizer)
+        if verdict is not None and verdict[1:] == basis:
+            return verdict[0]
+        names = self._names
+        guarded = any(id(param) in names for group in optimizer.param_groups for param in group["params"])
+        self._verdicts[optimizer] = (guarded, *basis)
+        if guarded and self._announce:
+            log.warning("nanguard: an optimizer not given to nanguard.init (%s) steps the guarded model's"
+                        " parameters (re-created after init, say): its steps are decided from now on",
+                        type(optimizer).__name__)
+        return guarded
