@@ -37,13 +37,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                    register_module_parameter_registration_hook)
 
 from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
 from .backward import BackwardWatch, probe
 from .buffers import Buffers
 from .fed import Feeds
-from .modules import plain_names, type_name, untraced
+from .modules import is_wrapper, plain_names, type_name, untraced
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, gradless, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
@@ -123,6 +125,12 @@ class Detector:
         self.aside = False
         """the root forward in progress is an evaluation amid a training step's micro-batches"""
         self.warned_copy = False
+        self.added: list[tuple[weakref.ref, str]] = []
+        """(module, attribute) of modules and parameters registered into hooked modules since the
+        last forward began (a head, a LoRA adapter, a replaced layer): hooked and named then"""
+        self.skipped: list[str] = []
+        """names of the modules skipped (``skip_types``, ``skip_modules``): their children are too"""
+        self._registrations: list[Any] = []
         """a copy of a guarded module ran its hooks (said once: ``_copied``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
@@ -137,27 +145,10 @@ class Detector:
     def attach(self, root: nn.Module, prefix: str = "") -> int:
         """Hook ``root`` and every module below it; returns the root's slot."""
         names = plain_names(root, prefix)
-        skipped: list[str] = []
-        for module, qualified in names.items():
-            if module in self._modules:
-                continue
-            slot = self._register(module, qualified)
-            mode = mode_of(module, qualified, self._skip_types, self._skip_modules)
-            if any(qualified == s or qualified.startswith(s + ".") for s in skipped):
-                mode = SKIP_MODE
-            elif mode == SKIP_MODE:
-                skipped.append(qualified)
-            # Containers are hooked too, so a value born in their own forward code is blamed on
-            # them; an output that is a child's output again is recognised and not re-checked.
-            leaf = next(module.children(), None) is None or any(
-                p is not None for p in module._parameters.values())
-            if type(module) is nn.Sequential:
-                continue  # in and out are its first and last child's, probed there (a subclass is hooked)
-            # with its keyword arguments: transformers' layers pass tensors by keyword
-            # (self_attn(hidden_states=..., attention_mask=...)), a value born before is told apart
-            hook = forward_hook(self, slot, mode, leaf, named=module is root, untouched=isinstance(
-                module, nn.modules.dropout._DropoutNd) and not module.inplace)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        _hook_modules(self, names, root)
+        if not self._registrations:  # what is added into these modules later is hooked too
+            self._registrations = [register_module_module_registration_hook(_on_registration(self)),
+                                   register_module_parameter_registration_hook(_on_registration(self))]
         self.backward.watch_collectives(root, names)
         root_slot = self._modules[root]
         pre, post = _root_hooks(self, root_slot)
@@ -182,9 +173,10 @@ class Detector:
         return slot
 
     def detach(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + self._registrations:
             handle.remove()
         self._handles.clear()
+        self._registrations.clear()
         self._modules = weakref.WeakKeyDictionary()
         self.reset()
 
@@ -249,6 +241,8 @@ class Detector:
 
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
         """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
+        if self.added:
+            _hook_added(self)
         log = self.log
         grad = torch.is_grad_enabled()
         if grad and log.started and not log.trained and self.on_evaluated is not None:
@@ -358,6 +352,64 @@ class Detector:
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The floating tensors a call was given, positional then keyword."""
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+
+
+def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Module | None) -> None:
+    """Register and hook the modules of ``names`` (by qualified name) not hooked yet; ``root``: the
+    one whose output fields are named (None: modules added below a root)."""
+    for module, qualified in names.items():
+        if module in detector._modules:
+            continue
+        slot = detector._register(module, qualified)
+        mode = mode_of(module, qualified, detector._skip_types, detector._skip_modules)
+        if any(qualified == s or qualified.startswith(s + ".") for s in detector.skipped):
+            mode = SKIP_MODE
+        elif mode == SKIP_MODE:
+            detector.skipped.append(qualified)
+        # Containers are hooked too, so a value born in their own forward code is blamed on
+        # them; an output that is a child's output again is recognised and not re-checked.
+        leaf = next(module.children(), None) is None or any(
+            p is not None for p in module._parameters.values())
+        if type(module) is nn.Sequential:
+            continue  # in and out are its first and last child's, probed there (a subclass is hooked)
+        # with its keyword arguments: transformers' layers pass tensors by keyword
+        # (self_attn(hidden_states=..., attention_mask=...)), a value born before is told apart
+        hook = forward_hook(detector, slot, mode, leaf, named=module is root, untouched=isinstance(
+            module, nn.modules.dropout._DropoutNd) and not module.inplace)
+        detector._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+
+def _on_registration(detector: Detector):
+    """A process-wide registration hook (of modules, or of parameters): one registered into a
+    hooked module is noted, to be hooked or named when the next forward begins (it is not in its
+    place yet). Anything else is none of this detector's."""
+    def hook(parent: nn.Module, name: str, value: Any) -> None:
+        if parent in detector._modules and value is not None:
+            detector.added.append((weakref.ref(parent), name))
+
+    return hook
+
+
+def _hook_added(detector: Detector) -> None:
+    """Hook the modules, and name the parameters, registered into hooked modules since the last
+    forward: a NaN in a LoRA adapter, a new head or a replaced layer is named as theirs, and their
+    gradients are checked before the update."""
+    added, detector.added = detector.added, []
+    catalog = detector.catalog
+    for ref, name in added:
+        parent = ref()
+        if parent is None or parent not in detector._modules:
+            continue
+        base = catalog.slots[detector._modules[parent]].name
+        qualified = base if is_wrapper(parent) else f"{base}.{name}".lstrip(".")
+        child = parent._modules.get(name)
+        if isinstance(child, nn.Module):
+            _hook_modules(detector, plain_names(child, qualified), None)
+        param = parent._parameters.get(name)
+        if param is not None and id(param) not in catalog.param_names:
+            detector.backward.add_parameter(param)
+            catalog.param_names[id(param)] = qualified
+            catalog.param_holders.setdefault(id(param), []).append(detector._modules[parent])
 
 
 def _copied(detector: Detector, module: nn.Module) -> None:

@@ -1577,3 +1577,50 @@ def test_a_second_guard_without_an_optimizer_leaves_the_first_ones_optimizer_alo
     event = info.value.event
     assert (event.kind, event.layer, event.step) == ("grad", "0.weight", 2), event
     assert guard.events == [event] and not other.events
+
+
+class LoRA(nn.Module):
+    """A frozen base Linear and a trainable low-rank update, added to a model after init."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.fault = GradFault()
+
+    def forward(self, x):
+        return self.base(x) + self.fault(x @ self.A.t()) @ self.B.t()
+
+
+def test_modules_and_parameters_added_after_init_are_checked_and_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model[4].parameters(), lr=0.1)
+    events = []
+    with nanguard.init(model, optimizer, on_nan="skip") as guard:
+        for step in range(8):
+            if step == 2:  # a LoRA adapter put in place of a layer, its parameters given to the optimizer
+                model[2] = LoRA(model[2])
+                optimizer.add_param_group({"params": [model[2].A, model[2].B]})
+            if step == 4:  # a parameter replaced outright
+                model[0].bias = nn.Parameter(torch.zeros(8))
+                optimizer.add_param_group({"params": [model[0].bias]})
+            if step >= 2:
+                model[2].fault.armed = step == 3
+            with torch.no_grad():
+                if step == 5:
+                    model[0].bias[1] = math.nan
+            before = [p.detach().clone() for p in model.parameters()]
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if guard.events[len(events):]:
+                events += guard.events[len(events):]
+                assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)  # the update was skipped
+                           for a, b in zip(before, model.parameters()))
+            if step == 5:
+                with torch.no_grad():
+                    model[0].bias[1] = 0.0
+    assert [(e.kind, e.layer, e.step) for e in events] == [("grad", "2.A", 3), ("forward", "0", 5)], events
+    assert "its parameter(s) bias are non-finite" in events[1].message
