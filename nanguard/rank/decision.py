@@ -36,9 +36,11 @@ if TYPE_CHECKING:
 
 
 _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks (no DDP bucket or FSDP2"
-                    " reduce-scatter was watched), and a collective inside the model (tensor parallelism's"
-                    " all_reduce) or the script's own (gradients all-reduced by hand) gives every rank the same"
-                    " values: the rank named is the lowest that saw them, the one where they were born is not known")
+                    " reduce-scatter was watched: a communication hook registered before init, a collective"
+                    " inside the model such as tensor parallelism's all_reduce, gradients all-reduced by hand),"
+                    " and a sum can give every rank the same values before they are read: the rank named is the"
+                    " lowest that held them as its backward pass left them, the one where they were born is not"
+                    " known")
 _EVALUATED = "in a forward with autograd off {} (an evaluation, not a training step: training goes on)"
 
 
@@ -121,6 +123,9 @@ class Reading:
     applied: list[float] = ()
     """norms of the gradients as the optimizer is about to apply them, where they changed after the
     backward pass left them (summed across ranks, clipped, unscaled, divided: ``changed_gradients``)"""
+    several: bool = False
+    """there are several ranks, whose gradients are summed after the backward pass (by DDP, whether
+    nanguard watches its buckets or not, or by the script)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
@@ -277,6 +282,8 @@ class Decider:
                             watches_buckets=detector.backward.watched(), evidence=detector.log.evidence,
                             buffers=detector.buffers.probes(written), extras=self.respond.extras(),
                             slots=(detector.log.value_slots, detector.log.evidence_slots), applied=applied)
+        if reading is not None:
+            reading.several = several
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],
@@ -326,7 +333,7 @@ class Decider:
             reading, owners, grads, written, later)
         first = agree(collectives, local)
         several = collectives is not None and collectives.world_size > 1
-        if first is not None and several and first.born_here and first.event.kind in ("grad", "loss") and (
+        if first is not None and several and first.event.kind in ("grad", "loss") and (
                 not self.detector.backward.watched()):  # (the same on every rank)
             first.event.message = "; ".join(filter(None, (first.event.message, _UNWATCHED_RANKS)))
         if first is not None and local is not None and first.event.rank != local.event.rank:

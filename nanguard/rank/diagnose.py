@@ -96,7 +96,7 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
         fields = _group_fields(catalog, log, group, fields, owners, reading.norms)
     if fields is None:
         # after the sum across ranks, a NaN another rank's backward made is that rank's to report
-        summed = reading.local_grads_bad is not None
+        summed = reading.local_grads_bad is not None or reading.several
         fields = _changed_after_backward(catalog, log, later, reading.applied, summed)
         return Finding(make(fields), born_here=not summed) if fields is not None else None
     local_grads_bad = reading.local_grads_bad

@@ -196,6 +196,19 @@ def test_ddp_accumulation_without_no_sync_names_the_rank_whose_backward_made_the
 
 
 @pytest.mark.timeout(180)
+def test_ddp_with_a_hook_registered_before_init_the_receiving_rank_offers_the_sum(torchrun):
+    # fp16 compression registered before init: no bucket is watched; rank 0's gradients were finite as
+    # its backward pass left them, and the sum across ranks brought rank 1's NaN
+    job = torchrun.standalone("ddp_train.py", "--fault", "backward", "--fault-rank", "1", "--fault-step", "3",
+                              "--steps", "5", "--fp16-hook")
+    results = job.ok(world=2)
+    event = assert_common_stop(results, step=3)
+    assert (event["kind"], event["rank"]) == ("grad", 1), event
+    (own,) = [e for e in results[0]["events"] if e["rank"] == 0]
+    assert "by the sum across ranks" in own["message"], own["message"]
+
+
+@pytest.mark.timeout(180)
 def test_three_ranks_clean_run_never_stops(torchrun):
     job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
     results = job.ok(world=3)
