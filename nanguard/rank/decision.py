@@ -42,6 +42,9 @@ _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks
                     " lowest that held them as its backward pass left them, the one where they were born is not"
                     " known")
 _EVALUATED = "in a forward with autograd off {} (an evaluation, not a training step: training goes on)"
+_DROPPED = ("in a step the script dropped after its backward pass (its gradients were zeroed without an"
+            " optimizer step: its own check of the loss or the gradients, say), so no update applied it:"
+            " training goes on")
 
 
 @dataclass(slots=True)
@@ -242,23 +245,26 @@ class Decider:
         self._bad_at: int | None = None
         """the index of the last step found bad (its other optimizers' steps are that step's)"""
 
-    def settle_early(self, evaluation: bool = False) -> None:
-        """Too many probes without a step (a long eval loop): read them now, locally. ``evaluation``:
-        they are of forwards with autograd off between optimizer steps (a validation pass), whose
-        bad value is reported and does not stop training (``on_nan`` is for the training steps)."""
+    def settle_early(self, apart: str | None = None) -> None:
+        """Too many probes without a step (a long eval loop): read them now, locally. ``apart``:
+        they are of no training step, and a bad value among them is reported without stopping
+        training (``on_nan`` is for the training steps): ``"evaluation"``, forwards with autograd
+        off between optimizer steps (a validation pass); ``"dropped"``, a step the script dropped
+        after its backward pass (its gradients zeroed without an optimizer step)."""
         log = self.detector.log
         if log.values and self._early is None:
             reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
                                 evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
             if reading.bad:
                 finding = self._diagnose(reading)
-                if not evaluation:
+                if apart is None:
                     self._early = finding
                 elif finding is not None:
                     finding.event.micro_batch = None  # (not a micro-batch of a training step)
                     step = self.clock.step
                     when = f"after optimizer step {step - 1}" if step else "before any optimizer step"
-                    finding.event.message = "; ".join(filter(None, (_EVALUATED.format(when), finding.event.message)))
+                    why = _EVALUATED.format(when) if apart == "evaluation" else _DROPPED
+                    finding.event.message = "; ".join(filter(None, (why, finding.event.message)))
                     self.respond.observed(finding)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:

@@ -101,12 +101,14 @@ class Detector:
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
                  detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
                  on_step_start: Callable[[], None] | None = None, keep_batches: bool = False,
-                 on_evaluated: Callable[[], None] | None = None):
+                 on_settle: Callable[[str], None] | None = None):
         self._skip_types = tuple(skip_types)
         self._skip_modules = tuple(skip_modules)
         self.on_root_end = on_root_end
         self.on_step_start = on_step_start
-        self.on_evaluated = on_evaluated  # a training forward follows an evaluation's: settle those apart
+        self.on_settle = on_settle
+        """a training forward follows forwards of no training step: settle those apart ("evaluation",
+        "dropped": see ``Decider.settle_early``)"""
         self.keep_batches = keep_batches
         self.catalog = Catalog()
         self.log = StepLog()
@@ -245,8 +247,8 @@ class Detector:
             _hook_added(self)
         log = self.log
         grad = torch.is_grad_enabled()
-        if grad and log.started and not log.trained and self.on_evaluated is not None:
-            self.on_evaluated()
+        if grad and log.started and self.on_settle is not None and (not log.trained or _dropped(log)):
+            self.on_settle("dropped" if log.trained else "evaluation")
         if not log.started:
             self.step_starts()
         log.trained = log.trained or grad
@@ -352,6 +354,13 @@ class Detector:
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The floating tensors a call was given, positional then keyword."""
     return floating_tensors(args) + floating_tensors(kwargs) if kwargs else floating_tensors(args)
+
+
+def _dropped(log: StepLog) -> bool:
+    """Whether the script dropped the step so far: a backward pass left gradients, and they are
+    all gone now (``zero_grad()`` without an optimizer step; accumulating micro-batches keep them)."""
+    owners = log.produced[0] if log.produced is not None else None
+    return bool(owners) and owners[0].grad is None and all(p.grad is None for p in owners)
 
 
 def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Module | None) -> None:

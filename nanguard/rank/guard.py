@@ -60,7 +60,7 @@ class Guard:
                                   on_step_start=self._on_step_start if settings.capture is not False
                                   else None,
                                   keep_batches=settings.capture is not False and settings.capture_batch,
-                                  on_evaluated=lambda: self._decider.settle_early(evaluation=True))
+                                  on_settle=lambda apart: self._decider.settle_early(apart))
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)
@@ -176,7 +176,7 @@ class Guard:
             return
         log = self._detector.log
         if log.started and not log.trained and log.values:  # a last evaluation, after the last step
-            self._decider.settle_early(evaluation=True)
+            self._decider.settle_early("evaluation")
         self._closed = True
         for handle in self._handles:
             handle.remove()
@@ -249,7 +249,7 @@ class Guard:
             self._decider.decide(None, collective=False)  # eval/inference: nothing steps, so decide now
         elif self._detector.pending >= self.settings.max_pending:
             log = self._detector.log
-            self._decider.settle_early(evaluation=log.started and not log.trained)
+            self._decider.settle_early("evaluation" if log.started and not log.trained else None)
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:

@@ -1624,3 +1624,30 @@ def test_modules_and_parameters_added_after_init_are_checked_and_named():
                     model[0].bias[1] = 0.0
     assert [(e.kind, e.layer, e.step) for e in events] == [("grad", "2.A", 3), ("forward", "0", 5)], events
     assert "its parameter(s) bias are non-finite" in events[1].message
+
+
+def test_a_step_the_script_drops_after_its_backward_pass_is_not_stopped_a_step_later():
+    # the script's own check (clip_grad_norm_'s error_if_nonfinite) drops the step: the next one is clean
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dropped = []
+    with nanguard.init(model, optimizer) as guard:
+        for step in range(6):
+            x = torch.randn(5, 4)
+            if step == 3:
+                x[0, 0] = math.nan
+            model(x).sum().backward()
+            try:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+            except RuntimeError:
+                optimizer.zero_grad()
+                dropped.append(step)
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 5 and guard.incident is None
+        (event,) = guard.events
+    assert dropped == [3] and (event.kind, event.step, event.micro_batch) == ("forward", 3, None), event
+    assert "in a step the script dropped after its backward pass" in event.message
+    assert all(torch.isfinite(p).all() for p in model.parameters())
