@@ -166,6 +166,17 @@ class BackwardWatch:
         self.log.left = {id(p): (p.grad, version_of(p.grad)) for p in owners}
 
 
+def keep_summed(watch: BackwardWatch) -> None:
+    """A forward begins after a backward pass whose gradients were summed across ranks, in the same
+    step (accumulation without ``no_sync``): the gradients as that sum left them (its communication
+    hook's work is done by now, as it may not be when the pass ends) go into ``StepLog.summed_after``."""
+    log = watch.log
+    if len(log.summed_after) < len(log.bucket_passes):
+        norms = gradient_norms(watch.params())[1]
+        if norms:
+            log.summed_after.append(gradless(torch.stack, norms).amax())
+
+
 def as_left(owners: list[torch.Tensor], left: dict[int, tuple[torch.Tensor, int]] | None) -> bool:
     """Whether every gradient of ``owners`` is as the backward pass left it (``StepLog.left``)."""
     if left is None:

@@ -42,7 +42,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 
 from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
-from .backward import BackwardWatch, probe
+from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import is_wrapper, plain_names, type_name, untraced
@@ -252,6 +252,8 @@ class Detector:
         if not log.started:
             self.step_starts()
         log.trained = log.trained or grad
+        if log.bucket_passes:
+            keep_summed(self.backward)
         log.mark_backward(_graph_task() != -1)
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1

@@ -35,6 +35,10 @@ _CHANGED = ("no element detail: the tensor was changed in place after it was che
             " activation, say)")
 _FROM_OTHER_RANK = ("this rank's own gradients were finite before they were summed across ranks (DDP's"
                     " all-reduce, FSDP's reduce-scatter): another rank sent the non-finite values")
+_SUMMED_BEFORE = ("the gradients were already non-finite right after the sum across ranks of backward pass {0} of"
+                  " this step (accumulation without no_sync: every pass is summed), which this rank's own"
+                  " gradients went into finite: that sum made them (an overflow, a communication hook such as"
+                  " fp16 compression), or brought them from another rank")
 _SCATTERED = ("the gradients of a sharded model (FSDP2) are reduce-scattered across ranks before they are"
               " checked: this rank holds the shard where the non-finite values landed, and the rank whose"
               " backward pass made them is not known")
@@ -106,13 +110,37 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     position = _backward_position(catalog, log, owners, fields)
     if local_grads_bad is None:
         return Finding(make(fields), position=position)
+    summed_pass = _first_bad_pass(log, reading.buckets)
+    if local_grads_bad and summed_pass and not _finite_after_sum(log, summed_pass - 1):
+        # an earlier pass's sum made them, or brought them from another rank: not born here
+        return Finding(make(_summed_before(catalog, owners, fields, summed_pass)), born_here=False,
+                       position=position, summed_pass=summed_pass)
     fields["extra"]["born_here"] = local_grads_bad
     if not local_grads_bad:  # not this rank's loss: what the all-reduce brought in
         fields |= {"kind": "grad", "message": f"{fields['message']}; {_FROM_OTHER_RANK}"}
     elif fields["kind"] == "loss":
         fields["message"] = f"{fields['message']}; {_LOSS_ACROSS_RANKS}"
-    return Finding(make(fields), born_here=local_grads_bad, position=position,
-                   summed_pass=_first_bad_pass(log, reading.buckets))
+    return Finding(make(fields), born_here=local_grads_bad, position=position, summed_pass=summed_pass)
+
+
+def _summed_before(catalog: Catalog, owners: list[torch.Tensor], fields: dict[str, Any],
+                   summed_pass: int) -> dict[str, Any]:
+    """``fields`` of a gradient finding whose gradients an earlier backward pass's sum across ranks
+    had made non-finite already: named by its first bad parameter, with that as the cause (what the
+    gradients alone said, the loss or a module's backward, is not)."""
+    names = fields["extra"]["bad_params"]
+    param = next((p for p in owners if catalog.param_name(p) == names[0]), None)
+    slot = _owner(catalog, param) if param is not None else None
+    return fields | {"kind": "grad", "layer": names[0], "extra": {**fields["extra"], "born_here": False},
+                     "module_type": catalog.slots[slot].module_type if slot is not None else "",
+                     "message": f"{len(names)} parameter gradient(s) are non-finite, {names[0]} first in backward"
+                                f" order; {_SUMMED_BEFORE.format(summed_pass)}"}
+
+
+def _finite_after_sum(log: StepLog, index: int) -> bool:
+    """Whether the gradients were finite right after backward pass ``index``'s sum across ranks
+    (``StepLog.summed_after``; True when not known)."""
+    return index >= len(log.summed_after) or math.isfinite(float(log.summed_after[index]))
 
 
 def _first_bad_pass(log: StepLog, buckets: list[float]) -> int:

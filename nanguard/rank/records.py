@@ -333,6 +333,10 @@ class StepLog:
     """how many ``buckets`` probes there were when each backward pass that made some ended: with
     several passes in a step (accumulation without ``no_sync``), a later pass's buckets hold the
     gradients an earlier pass's all-reduce brought in"""
+    summed_after: list[torch.Tensor] = field(default_factory=list)
+    """the largest gradient norm after the sum across ranks of each backward pass but the last of
+    those (``bucket_passes``), taken as the next forward begins: read only when the step is bad, to
+    tell gradients a sum made non-finite from those a rank's own backward made"""
     batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]] = field(default_factory=list)
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
@@ -363,7 +367,7 @@ class StepLog:
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
-                     self.bucket_groups, self.bucket_passes, self.batches):
+                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

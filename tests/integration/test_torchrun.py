@@ -192,7 +192,20 @@ def test_ddp_accumulation_without_no_sync_names_the_rank_whose_backward_made_the
     event = assert_common_stop(results, step=3)
     assert (event["kind"], event["rank"], event["layer"]) == ("grad", 1, "blocks.1.fc.weight"), event
     (own,) = [e for e in results[0]["events"] if e["rank"] == 0]
-    assert "earlier backward pass of this step (pass 1), whose sum across ranks brought them here" in own["message"]
+    assert "right after the sum across ranks of backward pass 1 of this step" in own["message"], own["message"]
+    assert own["extra"]["born_here"] is False
+
+
+@pytest.mark.timeout(180)
+def test_ddp_accumulation_without_no_sync_names_a_sum_that_overflowed(torchrun):
+    # rank 1's gradients of micro-batch 0 are huge but finite: fp16 compression of that pass's sum
+    # overflows, and every rank's buckets of micro-batch 1 hold the infinities
+    job = torchrun.standalone("ddp_train.py", "--fault", "backward-huge", "--fault-rank", "1", "--fault-step", "3",
+                              "--fault-micro", "0", "--accum", "2", "--sync-every-micro", "--fp16-hook-after-init",
+                              "--steps", "5")
+    event = assert_common_stop(job.ok(world=2), step=3)
+    assert (event["kind"], event["extra"]["born_here"]) == ("grad", False), event
+    assert "right after the sum across ranks of backward pass 1 of this step" in event["message"], event["message"]
 
 
 @pytest.mark.timeout(180)

@@ -198,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-micro", type=int, default=0)
     p.add_argument("--synced", action="store_true", help="a cross-rank mean (SyncMean) before the head")
     p.add_argument("--fp16-hook", action="store_true", help="DDP's fp16_compress_hook sums the gradients")
+    p.add_argument("--fp16-hook-after-init", action="store_true",
+                   help="the same, registered after nanguard.init (nanguard's own hook calls it)")
     p.add_argument("--hand-sum", action="store_true",
                    help="no DDP: the script all-reduces the gradients itself after its own code")
     p.add_argument("--sync-grad", action="store_true",
@@ -234,6 +236,10 @@ def run(args: argparse.Namespace, wrap) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
     guard = nanguard.init(model, optimizer, on_nan=args.on_nan, **overrides)
+    if args.fp16_hook_after_init:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
     generator = torch.Generator().manual_seed(100 + rank)
     faulty = _is_faulty_process(args, rank)
     fault_module = net.blocks[1].fault
