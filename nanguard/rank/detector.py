@@ -127,13 +127,14 @@ class Detector:
         self.aside = False
         """the root forward in progress is an evaluation amid a training step's micro-batches"""
         self.warned_copy = False
+        """a copy of a guarded module ran its hooks (said once: ``_copied``)"""
         self.added: list[tuple[weakref.ref, str]] = []
         """(module, attribute) of modules and parameters registered into hooked modules since the
         last forward began (a head, a LoRA adapter, a replaced layer): hooked and named then"""
         self.skipped: list[str] = []
         """names of the modules skipped (``skip_types``, ``skip_modules``): their children are too"""
         self._registrations: list[Any] = []
-        """a copy of a guarded module ran its hooks (said once: ``_copied``)"""
+        """the process-wide hooks that note what is registered into hooked modules (``_on_registration``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
 
@@ -370,6 +371,8 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
     one whose output fields are named (None: modules added below a root)."""
     for module, qualified in names.items():
         if module in detector._modules:
+            if root is None:  # moved into a module added later (the base layer a LoRA wrapper holds)
+                _rename(detector, module, qualified)
             continue
         slot = detector._register(module, qualified)
         mode = mode_of(module, qualified, detector._skip_types, detector._skip_modules)
@@ -388,6 +391,14 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
         hook = forward_hook(detector, slot, mode, leaf, named=module is root, untouched=isinstance(
             module, nn.modules.dropout._DropoutNd) and not module.inplace)
         detector._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+
+def _rename(detector: Detector, module: nn.Module, qualified: str) -> None:
+    """A hooked module now at ``qualified``: its name, and its own parameters', follow it."""
+    catalog = detector.catalog
+    catalog.slots[detector._modules[module]].name = qualified
+    for name, param in module.named_parameters(recurse=False):
+        catalog.param_names[id(param)] = f"{qualified}.{name}".lstrip(".")
 
 
 def _on_registration(detector: Detector):

@@ -1651,3 +1651,23 @@ def test_a_step_the_script_drops_after_its_backward_pass_is_not_stopped_a_step_l
     assert dropped == [3] and (event.kind, event.step, event.micro_batch) == ("forward", 3, None), event
     assert "in a step the script dropped after its backward pass" in event.message
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_layer_moved_into_a_wrapper_added_after_init_is_named_where_it_is_now():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            if step == 1:  # a PEFT-style wrapper takes the layer's place, holding it as its base
+                model[0] = LoRA(model[0])
+                optimizer.add_param_group({"params": [model[0].A, model[0].B]})
+            if step == 2:
+                with torch.no_grad():
+                    model[0].base.weight[0, 0] = math.nan
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("forward", "0.base", 2), event
+    assert "its parameter(s) weight are non-finite" in event.message
