@@ -137,11 +137,18 @@ class BackwardWatch:
             tensor = output if type(output) is torch.Tensor else next(
                 (t for t in floating_tensors(output) if t.requires_grad), None)
             node = tensor.grad_fn if tensor is not None else None
-            if node is not None:
-                node.register_prehook(self._started)  # cheaper than a hook on the tensor
-                self.armed = True
-            elif tensor is not None and tensor.requires_grad:
-                tensor.register_hook(self._started)  # a leaf: it has no node
+            if node is not None or (tensor is not None and tensor.requires_grad):
+                log, forward = self.log, len(self.log.spans) - 1
+                log.unpropagated.add(forward)
+
+                def started(grad: object) -> None:
+                    log.unpropagated.discard(forward)
+                    self._started(grad)
+
+                if node is not None:
+                    node.register_prehook(started)  # cheaper than a hook on the tensor
+                else:
+                    tensor.register_hook(started)  # a leaf: it has no node
                 self.armed = True
 
     def _started(self, grad: object) -> None:

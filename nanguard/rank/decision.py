@@ -9,6 +9,7 @@ ranks look closer (``diagnose``) and agree on the job's first event.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -26,7 +27,7 @@ from . import diagnose, forensics
 from .backward import as_left, gradient_norms
 from .detector import Detector
 from .diagnose import Finding
-from .records import Slots, StepLog, concat, stack
+from .records import CHECK, OUT, Slots, StepLog, concat, stack
 
 log = logging.getLogger("nanguard")
 
@@ -42,6 +43,8 @@ _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks
                     " lowest that held them as its backward pass left them, the one where they were born is not"
                     " known")
 _EVALUATED = "in a forward with autograd off {} (an evaluation, not a training step: training goes on)"
+_UNPROPAGATED = ("in a forward whose output was never backpropagated before the optimizer step (the script"
+                 " dropped it: its own check of the loss, say), so no update came from it: training goes on")
 _DROPPED = ("in a step the script dropped after its backward pass (its gradients were zeroed without an"
             " optimizer step: its own check of the loss or the gradients, say), so no update applied it:"
             " training goes on")
@@ -210,6 +213,23 @@ def _relayed(first: Finding, local: Finding) -> str | None:
     return None
 
 
+def unpropagated_only(log: StepLog, reading: Reading) -> bool:
+    """Whether every non-finite value the step read is a forward's whose output the script never
+    backpropagated (``StepLog.unpropagated``), and the gradients and buffers are finite: what goes
+    into the update is clean."""
+    if not log.unpropagated or not all(map(math.isfinite, [*reading.norms, *reading.applied, *reading.buffers])):
+        return False
+    probes = reading.probes
+    for index, record in enumerate(log.records):
+        if record.compiled:
+            return False  # (a compiled graph's probes have no place to map to a forward)
+        if record.pos >= 0 and record.role in (OUT, CHECK) and not (
+                math.isfinite(probes[record.pos]) and math.isfinite(probes[record.pos + 1])):
+            if bisect.bisect_right(log.spans, (index, math.inf, math.inf)) - 1 not in log.unpropagated:
+                return False
+    return True
+
+
 def changed_gradients(owners: list[torch.Tensor], log: StepLog,
                       summed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(parameters, norms of their gradients as they are now) where the gradients the backward pass
@@ -255,20 +275,35 @@ class Decider:
         if log.values and self._early is None:
             reading = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
                                 evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
-            if reading.bad:
-                finding = self._diagnose(reading)
-                if apart is None:
-                    self._early = finding
-                elif finding is not None:
-                    finding.event.micro_batch = None  # (not a micro-batch of a training step)
-                    step = self.clock.step
-                    when = f"after optimizer step {step - 1}" if step else "before any optimizer step"
-                    why = _EVALUATED.format(when) if apart == "evaluation" else _DROPPED
-                    finding.event.message = "; ".join(filter(None, (why, finding.event.message)))
-                    self.respond.observed(finding)
+            if reading.bad and apart is None:
+                self._early = self._diagnose(reading)
+            elif reading.bad:
+                step = self.clock.step
+                when = f"after optimizer step {step - 1}" if step else "before any optimizer step"
+                self._settle_apart(reading, _EVALUATED.format(when) if apart == "evaluation" else _DROPPED)
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)
+
+    def _settle_unpropagated(self, reading: Reading, optimizer: torch.optim.Optimizer | None,
+                             collectives: Collectives | None) -> None:
+        """At an optimizer step of one process, a bad step whose every bad value is of forwards the
+        script never backpropagated (dropped by its own check of the loss) is clean: what is bad is
+        reported apart. (Decided at a forward's end, without an optimizer, nothing is backpropagated
+        yet; with several ranks, each would judge its own forwards, and their decisions must agree.)"""
+        if (reading.bad and optimizer is not None and collectives is None and self._early is None
+                and unpropagated_only(self.detector.log, reading)):
+            self._settle_apart(reading, _UNPROPAGATED)
+            reading.bad = False
+
+    def _settle_apart(self, reading: Reading, why: str) -> None:
+        """Report the first bad value of forwards of no training step (``why`` says which), without
+        acting on it."""
+        finding = self._diagnose(reading)
+        if finding is not None:
+            finding.event.micro_batch = None  # (not a micro-batch of a training step)
+            finding.event.message = "; ".join(filter(None, (why, finding.event.message)))
+            self.respond.observed(finding)
 
     def _take_early(self) -> diagnose.Finding:
         finding, self._early = self._early, None
@@ -298,6 +333,7 @@ class Decider:
                 self._respond_to(self._take_early(), optimizer, together=False)
             self._clean(stop=self.respond.reporter.stop_requested)
             return
+        self._settle_unpropagated(reading, optimizer, collectives)
         loss = reading.probes[detector.log.loss_at] if detector.log.loss_at is not None else None
         # the gradients' series: as the backward pass left them, or where a GradScaler scaled those, as applied
         series, held = (reading.applied, later) if detector.backward.scaled and later else (reading.norms, owners)

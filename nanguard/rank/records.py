@@ -333,6 +333,10 @@ class StepLog:
     """how many ``buckets`` probes there were when each backward pass that made some ended: with
     several passes in a step (accumulation without ``no_sync``), a later pass's buckets hold the
     gradients an earlier pass's all-reduce brought in"""
+    unpropagated: set[int] = field(default_factory=set)
+    """root forwards of the step (``spans`` indexes) whose output has not been backpropagated yet:
+    one still there at the decision was dropped by the script (its own check of the loss, before
+    its backward pass), and no update comes from it"""
     summed_after: list[torch.Tensor] = field(default_factory=list)
     """the largest gradient norm after the sum across ranks of each backward pass but the last of
     those (``bucket_passes``), taken as the next forward begins: read only when the step is bad, to
@@ -367,7 +371,7 @@ class StepLog:
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
-                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches):
+                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

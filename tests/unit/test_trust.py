@@ -1671,3 +1671,30 @@ def test_a_layer_moved_into_a_wrapper_added_after_init_is_named_where_it_is_now(
     event = info.value.event
     assert (event.kind, event.layer, event.step) == ("forward", "0.base", 2), event
     assert "its parameter(s) weight are non-finite" in event.message
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_batch_the_script_drops_before_its_backward_pass_stops_nothing(accumulate):
+    # `if not torch.isfinite(loss): optimizer.zero_grad(); continue`: that forward makes no update
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), GradFault(), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard, pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(8):
+            for micro in range(accumulate):
+                x = torch.randn(5, 4)
+                if (step, micro) == (3, 0):
+                    x[0, 0] = math.nan
+                model[1].armed = (step, micro) == (6, accumulate - 1)  # a real fault later: stopped
+                loss = model(x).pow(2).mean()
+                if not torch.isfinite(loss):
+                    optimizer.zero_grad()
+                    continue
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    first, second = guard.events
+    assert (first.kind, first.step, first.micro_batch) == ("forward", 3, None), first
+    assert "never backpropagated before the optimizer step" in first.message
+    assert info.value.event is second and (second.kind, second.step) == ("grad", 6), second
+    assert all(torch.isfinite(p).all() for p in model.parameters())
