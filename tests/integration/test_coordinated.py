@@ -83,8 +83,7 @@ def test_only_the_rank_where_the_nan_was_born_reports_an_event(torchrun, coordin
 @pytest.mark.timeout(240)
 def test_an_evaluations_nan_is_counted_apart_and_the_job_trains_on(torchrun, coordinator):
     coordinator.start()
-    job = torchrun.standalone("ddp_train.py", "--fault", "eval-input", "--fault-rank", "1",
-                              "--fault-step", "3", "--steps", "6",
+    job = torchrun.standalone("ddp_train.py", "--eval-nan-step", "3", "--fault-rank", "1", "--steps", "6",
                               env={"NANGUARD_COORDINATOR": coordinator.address})
     results = job.ok(world=2)
     assert all(r["error"] is None and r["steps_done"] == 6 for r in results.values()), results

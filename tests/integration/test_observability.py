@@ -291,6 +291,7 @@ def test_a_nan_pages_through_alertmanager_and_fills_every_dashboard_panel(
     job = torchrun.spawn("ddp_train.py", "--fault", "forward", "--fault-rank", "1",
                          "--fault-step", str(NAN_STEP), "--steps", str(NAN_STEP + 10),
                          "--step-sleep", "0.1", "--warn-every-step", "--progress-file", str(progress),
+                         "--eval-nan-step", str(NAN_STEP - 30),  # an evaluation's NaN too: counted apart
                          env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_EVENT_QUEUE": "8",
                               "NANGUARD_HEARTBEAT_S": "0.2"})
 

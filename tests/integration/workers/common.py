@@ -25,8 +25,7 @@ from torch import nn
 import nanguard
 
 WIDTH = 16
-FAULTS = ("none", "forward", "input", "backward", "backward-one", "backward-huge", "after-backward", "kill", "weight",
-          "eval-input")
+FAULTS = ("none", "forward", "input", "backward", "backward-one", "backward-huge", "after-backward", "kill", "weight")
 
 
 # --------------------------------------------------------------------------- faults
@@ -205,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-grad", action="store_true",
                    help="a cross-rank mean after embed whose backward all-reduces gradients (GradSyncMean)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--eval-nan-step", type=int, default=None,
+                   help="after this step, every rank evaluates (autograd off); the faulty rank's batch holds a NaN")
     p.add_argument("--sync-every-micro", action="store_true",
                    help="DDP sums the gradients of every micro-batch (no no_sync)")
     p.add_argument("--on-nan", default="raise")
@@ -281,7 +282,7 @@ def run(args: argparse.Namespace, wrap) -> int:
             optimizer.step()
             optimizer.zero_grad()
             result["steps_done"] += 1
-            if step == args.fault_step and args.fault == "eval-input":
+            if step == args.eval_nan_step:
                 with torch.no_grad():  # an evaluation on every rank; the faulty rank's batch holds a NaN
                     x = torch.randn(8, 8)
                     x[0, 0] = float("nan") if faulty else 0.0
