@@ -33,6 +33,7 @@ class BackwardWatch:
         self.scaled = False
         """the gradients the backward pass leaves are scaled (a GradScaler's): their norms say which are
         finite, not how large they are"""
+        self._by_id: dict[int, weakref.ref] = {}
         self._params: list[weakref.ref] = []
         """every parameter of the attached roots, frozen ones too (weakly: a guard keeps no model
         alive): one unfrozen later (gradual unfreezing) has its gradients read from then on"""
@@ -45,7 +46,15 @@ class BackwardWatch:
         return [p for ref in self._params if (p := ref()) is not None]
 
     def add_parameter(self, param: torch.Tensor) -> None:
-        self._params.append(weakref.ref(param))
+        ref = weakref.ref(param)
+        self._params.append(ref)
+        self._by_id[id(param)] = ref
+
+    def watches(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the attached roots' parameters (itself: not another tensor
+        that took a freed one's id)."""
+        ref = self._by_id.get(id(param))
+        return ref is not None and ref() is param
 
     def watch_collectives(self, root: nn.Module, names: dict[nn.Module, str]) -> None:
         """Watch what sums the gradients across ranks in ``root`` (its modules by qualified name,
@@ -131,19 +140,21 @@ class BackwardWatch:
 
     def forward_done(self, output: object) -> None:
         """A root forward returned ``output`` (or, where the script calls a model's modules itself,
-        the step's first module did): its backward pass will be watched."""
-        if not self.watches_buckets and torch.is_grad_enabled():
+        the step's first module did): its backward pass will be watched (where DDP's buckets are
+        not, it says when the pass starts), and whether it runs at all (``StepLog.unpropagated``)."""
+        if torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
             tensor = output if type(output) is torch.Tensor else next(
                 (t for t in floating_tensors(output) if t.requires_grad), None)
             node = tensor.grad_fn if tensor is not None else None
             if node is not None or (tensor is not None and tensor.requires_grad):
-                log, forward = self.log, len(self.log.spans) - 1
+                log, forward, timed = self.log, len(self.log.spans) - 1, not self.watches_buckets
                 log.unpropagated.add(forward)
 
                 def started(grad: object) -> None:
                     log.unpropagated.discard(forward)
-                    self._started(grad)
+                    if timed:
+                        self._started(grad)
 
                 if node is not None:
                     node.register_prehook(started)  # cheaper than a hook on the tensor

@@ -287,12 +287,19 @@ class Decider:
 
     def _settle_unpropagated(self, reading: Reading, optimizer: torch.optim.Optimizer | None,
                              collectives: Collectives | None) -> None:
-        """At an optimizer step of one process, a bad step whose every bad value is of forwards the
-        script never backpropagated (dropped by its own check of the loss) is clean: what is bad is
-        reported apart. (Decided at a forward's end, without an optimizer, nothing is backpropagated
-        yet; with several ranks, each would judge its own forwards, and their decisions must agree.)"""
-        if (reading.bad and optimizer is not None and collectives is None and self._early is None
-                and unpropagated_only(self.detector.log, reading)):
+        """At an optimizer step, a bad step whose every bad value is of forwards the script never
+        backpropagated (dropped by its own check of the loss) is clean: what is bad is reported
+        apart. With several ranks, only when every rank finds so (one more collective, on a bad
+        step only: the ranks' decisions must agree). Decided at a forward's end, without an
+        optimizer, nothing is backpropagated yet."""
+        if not reading.bad or optimizer is None:
+            return
+        clean = self._early is None and unpropagated_only(self.detector.log, reading)
+        if collectives is not None:
+            votes = torch.tensor([float(clean)], device=collectives.device())
+            collectives.all_reduce(votes)
+            clean = int(votes.item()) == collectives.world_size
+        if clean:
             self._settle_apart(reading, _UNPROPAGATED)
             reading.bad = False
 

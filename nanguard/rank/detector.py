@@ -428,7 +428,7 @@ def _hook_added(detector: Detector) -> None:
         if isinstance(child, nn.Module):
             _hook_modules(detector, plain_names(child, qualified), None)
         param = parent._parameters.get(name)
-        if param is not None and id(param) not in catalog.param_names:
+        if param is not None and not detector.backward.watches(param):
             detector.backward.add_parameter(param)
             catalog.param_names[id(param)] = qualified
             catalog.param_holders.setdefault(id(param), []).append(detector._modules[parent])

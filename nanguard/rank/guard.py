@@ -98,7 +98,7 @@ class Guard:
         else:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
         self._handles += OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
-                                        everything=model is None).install()
+                                        self._detector.backward.watches, everything=model is None).install()
 
     # ------------------------------------------------------------------ public surface
     @property

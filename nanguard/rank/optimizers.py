@@ -22,13 +22,16 @@ StepHook = Callable[[torch.optim.Optimizer, tuple, dict], Any]
 class OptimizerWatch:
     """Installs the step pre-hooks that call ``on_step`` for this guard's optimizers.
     ``param_names``: the guarded models' parameters by id (``Catalog.param_names``, which grows
-    as models are attached); ``everything``: a bare ``init()``'s guard, which decides at every
-    optimizer (a model it never saw, compiled in place, still has its gradients checked)."""
+    as models are attached), and ``guarded(param)``, whether a parameter is one of them (itself,
+    not a tensor that took a freed one's id); ``everything``: a bare ``init()``'s guard, which
+    decides at every optimizer (a model it never saw, compiled in place, still has its gradients
+    checked)."""
 
     def __init__(self, given: Sequence[torch.optim.Optimizer], param_names: dict[int, str], on_step: StepHook,
-                 everything: bool = False):
+                 guarded: Callable[[torch.Tensor], bool], everything: bool = False):
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(given)
         self._names = param_names
+        self._guarded = guarded
         self._on_step = on_step
         self._everything = everything
         self._announce = bool(given)  # (an optimizer found under a bare init() is the expected one)
@@ -52,8 +55,8 @@ class OptimizerWatch:
         verdict = self._verdicts.get(optimizer)
         if verdict is not None and verdict[1:] == basis:
             return verdict[0]
-        names = self._names
-        guarded = any(id(param) in names for group in optimizer.param_groups for param in group["params"])
+        is_guarded = self._guarded
+        guarded = any(is_guarded(param) for group in optimizer.param_groups for param in group["params"])
         self._verdicts[optimizer] = (guarded, *basis)
         if guarded and self._announce:
             log.warning("nanguard: an optimizer not given to nanguard.init (%s) steps the guarded model's"

@@ -222,6 +222,20 @@ def test_ddp_with_a_hook_registered_before_init_the_receiving_rank_offers_the_su
 
 
 @pytest.mark.timeout(180)
+def test_ddp_a_batch_every_rank_drops_before_its_backward_pass_stops_nothing(torchrun):
+    # the script's own guard, agreed across ranks: rank 1's NaN input makes its loss NaN, and
+    # every rank drops that micro-batch; a later real fault still stops before its update
+    job = torchrun.standalone("ddp_train.py", "--fault", "input", "--fault-rank", "1", "--fault-step", "3",
+                              "--skip-nan-loss", "--steps", "6")
+    results = job.ok(world=2)
+    assert all(r["error"] is None and r["steps_done"] == 6 for r in results.values()), results
+    (event,) = results[1]["events"]
+    assert (event["kind"], event["step"], event["rank"]) == ("forward", 3, 1), event
+    assert "never backpropagated before the optimizer step" in event["message"]
+    assert not results[0]["events"] and results[0]["final_weights"] == results[1]["final_weights"]
+
+
+@pytest.mark.timeout(180)
 def test_three_ranks_clean_run_never_stops(torchrun):
     job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
     results = job.ok(world=3)

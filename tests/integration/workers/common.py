@@ -204,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-grad", action="store_true",
                    help="a cross-rank mean after embed whose backward all-reduces gradients (GradSyncMean)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--skip-nan-loss", action="store_true",
+                   help="every rank drops a micro-batch, before its backward pass, whose loss is not finite on some rank")
     p.add_argument("--eval-nan-step", type=int, default=None,
                    help="after this step, every rank evaluates (autograd off); the faulty rank's batch holds a NaN")
     p.add_argument("--sync-every-micro", action="store_true",
@@ -215,6 +217,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-file", default=None,
                    help="rank 0 writes the number of steps done here after every step")
     return p
+
+
+def _bad_anywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is non-finite on some rank (agreed: every rank drops the same micro-batch)."""
+    bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0])
+    dist.all_reduce(bad)
+    return bool(bad.item())
 
 
 def _is_faulty_process(args, rank: int) -> bool:
@@ -270,6 +279,9 @@ def run(args: argparse.Namespace, wrap) -> int:
                 last = micro == args.accum - 1
                 with contextlib.nullcontext() if last else no_sync():
                     loss = nn.functional.cross_entropy(model(x), y) / args.accum
+                    if args.skip_nan_loss and _bad_anywhere(loss):
+                        optimizer.zero_grad()  # the script's own guard: that micro-batch makes no update
+                        continue
                     loss.backward()
                 fault_module.mode = None
             if faulty and step == args.fault_step and args.fault == "after-backward":
