@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ..events import Event
+from ..rank.modules import within
 from .frames import where
 
 
@@ -85,8 +86,7 @@ def _lead(ops: list[dict[str, Any]], event: dict[str, Any]) -> dict[str, Any] | 
     layer = event.get("layer") or ""
 
     def near(module: str | None) -> bool:
-        return bool(module and layer) and (module == layer or layer.startswith(module + ".")
-                                           or module.startswith(layer + "."))
+        return bool(module and layer) and (within(layer, module) or within(module, layer))
 
     def made_nan(op: dict[str, Any]) -> bool:
         return bool(event.get("has_nan")) and bool((op.get("output") or {}).get("nan_count"))
