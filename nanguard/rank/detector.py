@@ -45,7 +45,7 @@ from . import forensics
 from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
-from .modules import is_wrapper, plain_names, type_name, untraced
+from .modules import ddp_inner, is_wrapper, plain_names, type_name, untraced
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, gradless, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
@@ -118,6 +118,8 @@ class Detector:
         """records of this step whose kept tensors were let go, or kept for good (``_let_go_clean``)"""
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._root_slots: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        """the model a DDP root wraps -> the root's slot (its forwards are the root's micro-batches)"""
         self._seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
@@ -142,8 +144,9 @@ class Detector:
     def owns(self, module: nn.Module) -> bool:
         return module in self._modules
 
-    def slot_of(self, module: nn.Module) -> int:
-        return self._modules[module]
+    def slot_of(self, root: nn.Module) -> int:
+        """The slot of a root's micro-batches: its own, or its DDP wrapper's (``attach``)."""
+        return self._root_slots.get(root, self._modules[root])
 
     def attach(self, root: nn.Module, prefix: str = "") -> int:
         """Hook ``root`` and every module below it; returns the root's slot."""
@@ -153,13 +156,8 @@ class Detector:
             self._registrations = [register_module_module_registration_hook(_on_registration(self)),
                                    register_module_parameter_registration_hook(_on_registration(self))]
         self.backward.watch_collectives(root, names)
-        root_slot = self._modules[root]
-        pre, post = _root_hooks(self, root_slot)
-        self._handles.append(root.register_forward_pre_hook(pre, with_kwargs=True))
-        if type(root).forward is nn.Module.forward:  # a ModuleDict of a GAN: the script calls its children
-            self._handles += [child.register_forward_pre_hook(_step_start(self)) for child in root.children()]
-        self._handles.append(root.register_forward_hook(post, with_kwargs=True, always_call=True))
-        return root_slot
+        _hook_root(self, root)
+        return self._modules[root]
 
     def _register(self, module: nn.Module, qualified: str) -> int:
         catalog = self.catalog
@@ -181,6 +179,7 @@ class Detector:
         self._handles.clear()
         self._registrations.clear()
         self._modules = weakref.WeakKeyDictionary()
+        self._root_slots = weakref.WeakKeyDictionary()
         self.reset()
 
     # ------------------------------------------------------------------ hot path
@@ -388,7 +387,8 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
             continue  # in and out are its first and last child's, probed there (a subclass is hooked)
         # with its keyword arguments: transformers' layers pass tensors by keyword
         # (self_attn(hidden_states=..., attention_mask=...)), a value born before is told apart
-        hook = forward_hook(detector, slot, mode, leaf, named=module is root, untouched=isinstance(
+        named = root is not None and (module is root or module is ddp_inner(root))
+        hook = forward_hook(detector, slot, mode, leaf, named=named, untouched=isinstance(
             module, nn.modules.dropout._DropoutNd) and not module.inplace)
         detector._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
@@ -406,8 +406,11 @@ def _on_registration(detector: Detector):
     hooked module is noted, to be hooked or named when the next forward begins (it is not in its
     place yet). Anything else is none of this detector's."""
     def hook(parent: nn.Module, name: str, value: Any) -> None:
-        if parent in detector._modules and value is not None:
-            detector.added.append((weakref.ref(parent), name))
+        if value is None:
+            return
+        if parent in detector._modules or (
+                name == "module" and type(parent).__name__ == "DistributedDataParallel" and value in detector._root_slots):
+            detector.added.append((weakref.ref(parent), name))  # (a new DDP of a guarded model: its buckets)
 
     return hook
 
@@ -420,6 +423,8 @@ def _hook_added(detector: Detector) -> None:
     catalog = detector.catalog
     for ref, name in added:
         parent = ref()
+        if parent is not None and parent not in detector._modules and ddp_inner(parent) is not None:
+            detector.backward.watch_ddp(parent)  # a new DDP wrapper of a guarded model: it is built by now
         if parent is None or parent not in detector._modules:
             continue
         base = catalog.slots[detector._modules[parent]].name
@@ -446,13 +451,30 @@ def _copied(detector: Detector, module: nn.Module) -> None:
                         " nanguard.init too, or copy the model before init", type(module).__name__)
 
 
-def _root_hooks(detector: Detector, root_slot: int):
+def _hook_root(detector: Detector, root: nn.Module) -> None:
+    """Put the root hooks on ``root``, and on the model it wraps when it is a DDP: that model is a
+    root too, of the same micro-batches, since a script that wraps it again (a new DDP, to sync a
+    module added later) calls it from the new wrapper. Called from the old one, it is a root
+    inside a root's forward: nothing more."""
+    root_slot = detector._modules[root]
+    if type(root).forward is nn.Module.forward:  # a ModuleDict of a GAN: the script calls its children
+        detector._handles += [child.register_forward_pre_hook(_step_start(detector)) for child in root.children()]
+    inner = ddp_inner(root)
+    for module in (root,) if inner is None else (root, inner):
+        detector._root_slots[module] = root_slot
+        pre, post = _root_hooks(detector, root_slot, module)
+        detector._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        detector._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+
+def _root_hooks(detector: Detector, root_slot: int, module: nn.Module):
     """The forward pre- and post-hook of a root. Untraced: a root compiled in place runs them
     inside its compiled frame, where its bookkeeping would recompile on every new micro-batch
     number. A root called inside another's forward (a bare init() found a model's child first,
     when the script called it alone) is a module there: not a micro-batch, nor its input a batch.
-    The post-hook runs when the forward raises too (``always_call``), with no output."""
-    owner = detector.catalog.slots[root_slot].module
+    The post-hook runs when the forward raises too (``always_call``), with no output. ``module``:
+    the one hooked (a root, or the model its DDP wraps)."""
+    owner = weakref.ref(module)
 
     @untraced
     def pre(module, args, kwargs):

@@ -27,7 +27,7 @@ from ..replay import Replay, StepObserver
 from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
-from .modules import unwrap_optimizer
+from .modules import ddp_inner, unwrap_optimizer
 from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
@@ -46,7 +46,7 @@ class Guard:
         self._scoped = model is not None
         self._handles: list[Any] = []
         self._undo: list[Callable[[], Any]] = []  # what is not a hook handle
-        self._roots: list[tuple[weakref.ref, str]] = []
+        self._roots: list[tuple[Callable[[], nn.Module | None], str]] = []
         """(root, the prefix of its names), in the order they were attached"""
         self._rng: dict[str, Any] | None = None
         self._identity = RankInfo.from_env()
@@ -202,7 +202,7 @@ class Guard:
     def _attach(self, root: nn.Module) -> int:
         REGISTRY.claim(self, root)
         prefix = self._prefix(root)
-        self._roots.append((weakref.ref(root), prefix))
+        self._roots.append((_held(root), prefix))
         slot = self._detector.attach(root, prefix)
         if next(root.parameters(), None) is not None:
             self._observer.model_attached(root, self._detector.catalog.param_names, prefix)
@@ -282,6 +282,17 @@ class Guard:
         finally:
             self._clock.end(counted)
             self._clock.stepped = False
+
+def _held(root: nn.Module) -> Callable[[], nn.Module | None]:
+    """A weak reference to ``root``; for a DDP root, one that gives the model it wraps once the
+    script has let the wrapper go for a new one (to sync a module added later): what to save."""
+    ref = weakref.ref(root)
+    inner = ddp_inner(root)
+    if inner is None:
+        return ref
+    inner_ref = weakref.ref(inner)
+    return lambda: ref() if ref() is not None else inner_ref()
+
 
 class GuardRegistry:
     """Which guard owns which module, and the process-wide guard of a bare ``init()``: hooks are

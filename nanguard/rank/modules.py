@@ -52,6 +52,12 @@ def type_name(module: nn.Module) -> str:
     return cls.__name__
 
 
+def ddp_inner(module: nn.Module) -> nn.Module | None:
+    """The model a DDP wrapper holds (None for any other module): a script may wrap it again in a
+    new DDP (to sync a module added during training), which calls it as the old wrapper did."""
+    return module.module if type(module).__name__ == "DistributedDataParallel" else None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside DDP / DataParallel / torch.compile wrappers (plain state names)."""
     while (attribute := _WRAPPERS.get(type(model).__name__)) is not None:

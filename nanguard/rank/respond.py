@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -256,7 +255,7 @@ def _exact_norm(param: torch.Tensor, norm: float) -> float:
     return float(torch.linalg.vector_norm(forensics.stored(forensics.plain(grad)).double()))
 
 
-def models_to_save(roots: list[tuple[weakref.ref, str]]) -> list[tuple[str, nn.Module]]:
+def models_to_save(roots: list[tuple[Callable[[], nn.Module | None], str]]) -> list[tuple[str, nn.Module]]:
     """(prefix, root) of the roots with parameters still alive, in the order they were attached:
     the models an incident saves (the first one's batches and weights where one model is read)."""
     return [(name, m) for ref, name in roots if (m := ref()) is not None and next(m.parameters(), None) is not None]

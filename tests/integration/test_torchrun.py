@@ -236,6 +236,30 @@ def test_ddp_a_batch_every_rank_drops_before_its_backward_pass_stops_nothing(tor
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_ddp_made_again_during_training_still_names_where_the_nan_was_born(torchrun, fault):
+    # at step 2 every rank wraps the model in a new DDP and lets the old one go: the new wrapper
+    # calls the guarded model, whose forwards are the micro-batches, and its buckets are watched
+    job = torchrun.standalone("ddp_train.py", "--fault", fault, "--fault-rank", "1", "--fault-step", "4",
+                              "--rewrap-step", "2", "--steps", "6")
+    results = job.ok(world=2)
+    event = assert_common_stop(results, step=4)
+    assert event["rank"] == 1, event
+    if fault == "forward":
+        assert (event["kind"], event["layer"], event["input_nonfinite"]) == ("forward", FAULT_LAYER, False), event
+    else:
+        assert (event["kind"], event["layer"], event["extra"]["born_here"]) == ("grad", "blocks.1.fc.weight", True)
+        (own,) = [e for e in results[0]["events"] if e["rank"] == 0]
+        assert "by the sum across ranks" in own["message"], own["message"]
+    assert "is gone" not in job.output  # the model the old wrapper held is saved
+    from nanguard import incident as capture
+
+    incident = capture.read_incident(results[0]["error"]["incident"])
+    for rank in (0, 1):
+        assert incident.rank_batches(rank) and incident.rank_state(rank)["model"]
+
+
+@pytest.mark.timeout(180)
 def test_three_ranks_clean_run_never_stops(torchrun):
     job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
     results = job.ok(world=3)

@@ -210,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
                    help="after this step, every rank evaluates (autograd off); the faulty rank's batch holds a NaN")
     p.add_argument("--sync-every-micro", action="store_true",
                    help="DDP sums the gradients of every micro-batch (no no_sync)")
+    p.add_argument("--rewrap-step", type=int, default=None,
+                   help="every rank wraps the model again (a new DDP) at this step, and lets the old one go")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
     p.add_argument("--warn-every-step", action="store_true",
@@ -265,6 +267,8 @@ def run(args: argparse.Namespace, wrap) -> int:
             if faulty and step == args.fault_step and args.fault == "weight":
                 with torch.no_grad():  # this rank's own copy, or shard (FSDP2), of a weight: before the step
                     _local(net.blocks[1].fc.weight)[0, 0] = float("nan")
+            if step == args.rewrap_step:  # as a script does to sync a module added during training
+                model, no_sync = wrap(net)
             result["step_digests"].append(weights_digest(model))
             for micro in range(args.accum):
                 x = torch.randn(8, 8, generator=generator)
