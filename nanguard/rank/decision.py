@@ -104,6 +104,15 @@ class StepClock:
         self.step += counted
         self.index = self.step
 
+    def follow(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Another model's optimizer stepped, in a guard with none of its own: the steps are counted
+        as its steps count them, while a forward's end still decides. True when it counted."""
+        seen, stepped = self.optimizer_seen, self.stepped
+        counted = self.begin(optimizer, True)
+        self.end(counted)
+        self.optimizer_seen, self.stepped = seen, stepped
+        return counted
+
 
 @dataclass(slots=True)
 class Reading:

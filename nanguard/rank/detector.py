@@ -113,9 +113,8 @@ class Detector:
         self.catalog = Catalog()
         self.log = StepLog()
         self._detail_bytes = detail_bytes
-        self._kept_bytes = 0
-        self._judged = 0
-        """records of this step whose kept tensors were let go, or kept for good (``_let_go_clean``)"""
+        self._kept_bytes = self._judged = 0
+        """(judged: records of this step whose kept tensors were let go, or kept for good: ``_let_go_clean``)"""
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._root_slots: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
@@ -123,6 +122,7 @@ class Detector:
         self._seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
+        self.steps_elsewhere = False  # (``new_step``)
         self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
         self.depth = 0
         """root forwards in progress (a root called inside another's is not a micro-batch)"""
@@ -158,20 +158,6 @@ class Detector:
         self.backward.watch_collectives(root, names)
         _hook_root(self, root)
         return self._modules[root]
-
-    def _register(self, module: nn.Module, qualified: str) -> int:
-        catalog = self.catalog
-        slot = len(catalog.slots)
-        catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module),
-                                  container=next(module.children(), None) is not None))
-        self._modules[module] = slot
-        self.buffers.attach(module, qualified)
-        for pname, param in module.named_parameters(recurse=False):
-            if id(param) not in catalog.param_names:
-                self.backward.add_parameter(param)
-            catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
-            catalog.param_holders.setdefault(id(param), []).append(slot)
-        return slot
 
     def detach(self) -> None:
         for handle in self._handles + self._registrations:
@@ -269,6 +255,12 @@ class Detector:
         for tensor in self._unchecked(call_tensors(args, kwargs)):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
+    def new_step(self) -> None:
+        """Another model's optimizer stepped, in a guard with none of its own: micro-batches count
+        from here, not from this guard's last decision."""
+        self.steps_elsewhere = True
+        self._forwards.clear()
+
     def step_starts(self) -> None:
         """The step's first forward begins: its buffers are kept, and ``on_step_start`` told."""
         log = self.log
@@ -349,7 +341,8 @@ class Detector:
         self.buffers.forget()
         self._seen.clear()
         self._kept_bytes = self._judged = 0
-        self._forwards.clear()
+        if not self.steps_elsewhere:
+            self._forwards.clear()
         self.backward.armed = False  # (an output whose backward never ran: the next step's arms again)
 
 
@@ -365,6 +358,22 @@ def _dropped(log: StepLog) -> bool:
     return bool(owners) and owners[0].grad is None and all(p.grad is None for p in owners)
 
 
+def _register(detector: Detector, module: nn.Module, qualified: str) -> int:
+    """Give ``module`` a slot, named ``qualified``, and name its own parameters."""
+    catalog = detector.catalog
+    slot = len(catalog.slots)
+    catalog.slots.append(Slot(qualified, type_name(module), weakref.ref(module),
+                              container=next(module.children(), None) is not None))
+    detector._modules[module] = slot
+    detector.buffers.attach(module, qualified)
+    for pname, param in module.named_parameters(recurse=False):
+        if id(param) not in catalog.param_names:
+            detector.backward.add_parameter(param)
+        catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
+        catalog.param_holders.setdefault(id(param), []).append(slot)
+    return slot
+
+
 def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Module | None) -> None:
     """Register and hook the modules of ``names`` (by qualified name) not hooked yet; ``root``: the
     one whose output fields are named (None: modules added below a root)."""
@@ -373,7 +382,7 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
             if root is None:  # moved into a module added later (the base layer a LoRA wrapper holds)
                 _rename(detector, module, qualified)
             continue
-        slot = detector._register(module, qualified)
+        slot = _register(detector, module, qualified)
         mode = mode_of(module, qualified, detector._skip_types, detector._skip_modules)
         if any(qualified == s or qualified.startswith(s + ".") for s in detector.skipped):
             mode = SKIP_MODE

@@ -98,7 +98,8 @@ class Guard:
         else:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
         self._handles += OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
-                                        self._detector.backward.watches, everything=model is None).install()
+                                        self._detector.backward.watches, everything=model is None,
+                                        on_other=self._on_other_step).install()
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -259,6 +260,10 @@ class Guard:
             return wrapped  # the forward and backward run inside the step: decide after them
         self._step_decision(optimizer)
         return None
+
+    def _on_other_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._closed and not self._clock.optimizer_seen and self._clock.follow(optimizer):
+            self._detector.new_step()
 
     def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True) -> None:
         self._observer.optimizers([optimizer], {})

@@ -28,12 +28,16 @@ class OptimizerWatch:
     checked)."""
 
     def __init__(self, given: Sequence[torch.optim.Optimizer], param_names: dict[int, str], on_step: StepHook,
-                 guarded: Callable[[torch.Tensor], bool], everything: bool = False):
+                 guarded: Callable[[torch.Tensor], bool], everything: bool = False,
+                 on_other: Callable[[torch.optim.Optimizer], None] | None = None):
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(given)
         self._names = param_names
         self._guarded = guarded
         self._on_step = on_step
         self._everything = everything
+        self._on_other = on_other if not given and not everything else None
+        """told of the steps of other models' optimizers, by a guard with none of its own (a
+        teacher's beside its student): its events carry the training step they happened in"""
         self._announce = bool(given)  # (an optimizer found under a bare init() is the expected one)
         self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[bool, int, int]] = \
             weakref.WeakKeyDictionary()
@@ -46,9 +50,13 @@ class OptimizerWatch:
         return handles + [register_optimizer_step_pre_hook(self._any)]
 
     def _any(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        if optimizer in self._given or not (self._everything or self._steps_guarded(optimizer)):
-            return None  # a given one's own hook decides; another model's is not this guard's
-        return self._on_step(optimizer, args, kwargs)
+        if optimizer in self._given:
+            return None  # its own hook decides
+        if self._everything or self._steps_guarded(optimizer):
+            return self._on_step(optimizer, args, kwargs)
+        if self._on_other is not None:  # another model's: not this guard's to decide at
+            self._on_other(optimizer)
+        return None
 
     def _steps_guarded(self, optimizer: torch.optim.Optimizer) -> bool:
         basis = (len(self._names), len(optimizer.param_groups))

@@ -1579,6 +1579,29 @@ def test_a_second_guard_without_an_optimizer_leaves_the_first_ones_optimizer_alo
     assert guard.events == [event] and not other.events
 
 
+def test_a_guard_without_an_optimizer_counts_the_steps_and_micro_batches_of_the_training_model():
+    # a teacher's NaN is met in its own forward, before the student's update: it is reported at
+    # the training step and micro-batch it happened in, not at step 0 of a guard that never steps
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    teacher = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).requires_grad_(False)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with nanguard.init(student, optimizer), nanguard.init(teacher) as other:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(6):
+                for micro in range(3):
+                    if (step, micro) == (4, 2):
+                        with torch.no_grad():
+                            teacher[2].weight[0, 0] = float("nan")
+                    x = torch.randn(5, 4)
+                    (student(x) - teacher(x)).pow(2).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    assert (event.layer, event.step, event.micro_batch) == ("2", 4, 2), event
+    assert other.step == 4 and all(torch.isfinite(p).all() for p in student.parameters())
+
+
 class LoRA(nn.Module):
     """A frozen base Linear and a trainable low-rank update, added to a model after init."""
 
