@@ -367,10 +367,9 @@ def _register(detector: Detector, module: nn.Module, qualified: str) -> int:
     detector._modules[module] = slot
     detector.buffers.attach(module, qualified)
     for pname, param in module.named_parameters(recurse=False):
-        if id(param) not in catalog.param_names:
+        if not detector.backward.watches(param):
             detector.backward.add_parameter(param)
-        catalog.param_names.setdefault(id(param), f"{qualified}.{pname}".lstrip("."))
-        catalog.param_holders.setdefault(id(param), []).append(slot)
+        catalog.name_param(param, f"{qualified}.{pname}".lstrip("."), slot, first=True)
     return slot
 
 
@@ -407,7 +406,7 @@ def _rename(detector: Detector, module: nn.Module, qualified: str) -> None:
     catalog = detector.catalog
     catalog.slots[detector._modules[module]].name = qualified
     for name, param in module.named_parameters(recurse=False):
-        catalog.param_names[id(param)] = f"{qualified}.{name}".lstrip(".")
+        catalog.name_param(param, f"{qualified}.{name}".lstrip("."))
 
 
 def _on_registration(detector: Detector):
@@ -444,8 +443,7 @@ def _hook_added(detector: Detector) -> None:
         param = parent._parameters.get(name)
         if param is not None and not detector.backward.watches(param):
             detector.backward.add_parameter(param)
-            catalog.param_names[id(param)] = qualified
-            catalog.param_holders.setdefault(id(param), []).append(detector._modules[parent])
+            catalog.name_param(param, qualified, detector._modules[parent])
 
 
 def _copied(detector: Detector, module: nn.Module) -> None:

@@ -122,11 +122,29 @@ class Catalog:
 
     slots: list[Slot] = field(default_factory=list)
     param_names: dict[int, str] = field(default_factory=dict)
-    """qualified parameter names by ``id(param)``"""
+    """qualified parameter names by ``id(param)``, of live parameters only (``name_param``)"""
     param_holders: dict[int, list[int]] = field(default_factory=dict)
     """the slots of every module that holds a parameter directly, by ``id(param)``, its owner (the
     first attached) first: a tied weight is the embedding's and the output layer's"""
     check_names: dict[str, int] = field(default_factory=dict)
+    _refs: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def name_param(self, param: torch.Tensor, name: str, holder: int | None = None, first: bool = False) -> None:
+        """Name ``param`` (``first``: unless it has a name already), held by module slot ``holder``.
+        Its entries go when it is freed: a tensor that takes its id later (a model built after
+        another was let go, in a sweep) never inherits its name, nor its holders."""
+        key = id(param)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not param:
+            self.param_names.pop(key, None)
+            self.param_holders.pop(key, None)
+            self._refs[key] = weakref.ref(param, _forget(self, key))
+        if first:
+            self.param_names.setdefault(key, name)
+        else:
+            self.param_names[key] = name
+        if holder is not None:
+            self.param_holders.setdefault(key, []).append(holder)
 
     def check_index(self, name: str) -> int:
         index = self.check_names.get(name)
@@ -142,6 +160,17 @@ class Catalog:
     def param_name(self, param: torch.Tensor) -> str:
         name = self.param_names.get(id(param))
         return name if name is not None else f"<unnamed parameter of shape {list(param.shape)}>"
+
+
+def _forget(catalog: Catalog, key: int):
+    """The callback of a parameter's weak reference: its entries go with it."""
+    def forget(ref: weakref.ref) -> None:
+        if catalog._refs.get(key) is ref:
+            del catalog._refs[key]
+            catalog.param_names.pop(key, None)
+            catalog.param_holders.pop(key, None)
+
+    return forget
 
 
 class _Places:

@@ -5,6 +5,7 @@ an incident holds of each model."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -531,3 +532,72 @@ def test_the_gradient_norm_guard_watches_one_series_with_two_optimizers():
             body.zero_grad(), head.zero_grad()
         events = guard.events
     assert [e.step for e in events if e.kind == "grad_norm"] == [0, 1, 2], events
+
+
+
+SWEEP = """
+import gc, json, sys, torch, nanguard
+from torch import nn
+
+def train(model, steps, fault=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        if fault is not None and step == steps - 1:
+            fault.register_hook(lambda grad: grad * float("nan"))
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+torch.manual_seed(0)
+with nanguard.init():
+    first = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    train(first, 2)
+    old = {id(p) for p in first.parameters()}
+    del first
+    gc.collect()
+    spare = []  # (until one takes a freed parameter's id: in a fresh process, the first does)
+    weight = nn.Parameter(torch.randn(4, 4))
+    while id(weight) not in old and len(spare) < 1000:
+        spare.append(weight)
+        weight = nn.Parameter(torch.randn(4, 4))
+    second = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    second[2].weight = weight
+    out = {"reused": id(weight) in old}
+    try:
+        train(second, 2, fault=weight)
+    except nanguard.NonFiniteError as err:
+        out["event"] = {"step": err.event.step, "bad_params": err.event.extra["bad_params"]}
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in second.parameters())
+print(json.dumps(out))
+"""
+
+
+def test_a_model_built_after_another_was_freed_has_every_gradient_checked_under_its_own_names(tmp_path):
+    # a sweep under one bare init(): a parameter of the second model takes the id a freed one of
+    # the first had; it is checked (its NaN gradient alone is stopped before the update) and
+    # named as the second model's, never with the first one's name. In a fresh process, where
+    # the allocator hands the freed id out again
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "NANGUARD_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["reused"], "no parameter took a freed one's id: the premise of this test"
+    assert out["event"] == {"step": 3, "bad_params": ["Sequential.2.weight"]}, out
+    assert out["finite"]
+
+
+def test_the_names_of_freed_parameters_are_forgotten():
+    import gc
+
+    from nanguard.rank.records import Catalog
+
+    catalog = Catalog()
+    param = nn.Parameter(torch.zeros(2))
+    catalog.name_param(param, "a.weight", holder=0, first=True)
+    catalog.name_param(param, "b.weight", holder=1, first=True)  # (a tied weight: its first name stays)
+    assert catalog.param_name(param) == "a.weight" and catalog.param_holders[id(param)] == [0, 1]
+    del param
+    gc.collect()
+    assert not catalog.param_names and not catalog.param_holders
