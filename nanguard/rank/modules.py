@@ -90,11 +90,15 @@ def dtensor(tensor: Any) -> bool:
     return hasattr(tensor, "to_local")
 
 
-def sharding(model: nn.Module | None) -> str | None:
-    """How an incident's per-rank states must be loaded, when the model is sharded (FSDP2)."""
+def sharding(model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None) -> str | None:
+    """How an incident's per-rank states must be loaded, when the model (FSDP2) or the optimizer
+    state (``ZeroRedundancyOptimizer``) is sharded."""
     if model is not None and any(dtensor(p) for p in model.parameters()):
         return ("fsdp2: each rank's state.pt holds its own shards (DTensors); load rank k's file on"
                 " rank k of a job with the same world size and the same fully_shard layout")
+    if optimizer is not None and local_optimizer(optimizer) is not optimizer:
+        return ("zero: each rank's state.pt holds its own shard of the optimizer state (the local optimizer"
+                " of a ZeroRedundancyOptimizer); load rank k's file on rank k of a job with the same world size")
     return None
 
 
@@ -109,6 +113,16 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
             break
         optimizer = inner
+    return optimizer
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds and steps: a ``ZeroRedundancyOptimizer``'s local
+    one (its shard of the state; the whole is on no rank unless it is consolidated, a collective),
+    else ``optimizer`` itself."""
+    inner = getattr(optimizer, "optim", None)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        return inner
     return optimizer
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .modules import local_optimizer
+
 log = logging.getLogger("nanguard")
 
 StepHook = Callable[[torch.optim.Optimizer, tuple, dict], Any]
@@ -31,6 +33,9 @@ class OptimizerWatch:
                  guarded: Callable[[torch.Tensor], bool], everything: bool = False,
                  on_other: Callable[[torch.optim.Optimizer], None] | None = None):
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(given)
+        self._inner: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(
+            local_optimizer(o) for o in given if local_optimizer(o) is not o)
+        """the optimizers that step inside one decided at (a ZeroRedundancyOptimizer's local one): its steps"""
         self._names = param_names
         self._guarded = guarded
         self._on_step = on_step
@@ -50,9 +55,11 @@ class OptimizerWatch:
         return handles + [register_optimizer_step_pre_hook(self._any)]
 
     def _any(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        if optimizer in self._given:
-            return None  # its own hook decides
+        if optimizer in self._given or optimizer in self._inner:
+            return None  # its own hook decides, or the one it steps inside did
         if self._everything or self._steps_guarded(optimizer):
+            if local_optimizer(optimizer) is not optimizer:
+                self._inner.add(local_optimizer(optimizer))
             return self._on_step(optimizer, args, kwargs)
         if self._on_other is not None:  # another model's: not this guard's to decide at
             self._on_other(optimizer)

@@ -29,7 +29,8 @@ from .fed import as_fed
 from .diagnose import Finding
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
-from .modules import MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, non_persistent_buffers, sharding, unwrap
+from .modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, local_optimizer,
+                      non_persistent_buffers, sharding, unwrap)
 from .reporter import Reporter
 
 log = logging.getLogger("nanguard")
@@ -224,13 +225,13 @@ class Responder:
             if part:  # the state is from after those steps: a replay from the step's start cannot run
                 extra[STEP_PART] = part
             if optimizer is not None:  # which of the script's optimizers a replay loads it into
-                extra[OPTIMIZER_PARAMS] = [self.param_name(p) for p in params(optimizer)]
+                extra[OPTIMIZER_PARAMS] = [self.param_name(p) for p in params(local_optimizer(optimizer))]
             if len(models) > 1:  # a bare init()'s other roots: a GAN's critic, an EMA teacher
                 extra[MORE_MODELS] = {name: {"model": unwrap(other).state_dict(),
                                              NON_PERSISTENT: non_persistent_buffers(unwrap(other))}
                                       for name, other in models[1:]}
             return RankPart(model_state=unwrap(model).state_dict() if model is not None else {},
-                            optimizer_state=optimizer.state_dict() if optimizer is not None else None,
+                            optimizer_state=local_optimizer(optimizer).state_dict() if optimizer is not None else None,
                             extra_states=extra,
                             batches=batches if self.settings.capture_batch else None, rng=rng,
                             events=self.events.snapshot(), settings=settings_record(self.settings),
@@ -238,7 +239,7 @@ class Responder:
 
         self.incident = capture_incident(self.group, self.settings.dir, event, collect,
                                          job_id=self.identity.incidents_as, capture_batch=self.settings.capture_batch,
-                                         sharded=sharding(model))
+                                         sharded=sharding(model, optimizer))
         if self.incident is not None and event.rank == self.group.rank:
             log.error("nanguard: state from before step %d saved to %s (nanguard inspect %s)",
                       event.step, self.incident, self.incident)

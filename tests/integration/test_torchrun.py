@@ -260,6 +260,25 @@ def test_ddp_made_again_during_training_still_names_where_the_nan_was_born(torch
 
 
 @pytest.mark.timeout(180)
+def test_zero_redundancy_optimizer_stops_before_the_update_and_each_rank_saves_its_shard(torchrun):
+    # ZeroRedundancyOptimizer steps a local AdamW inside its own step: that is not a second
+    # optimizer, and the state it holds (this rank's shard) is what an incident saves
+    job = torchrun.standalone("ddp_train.py", "--zero", "--fault", "backward", "--fault-rank", "1",
+                              "--fault-step", "3", "--steps", "5")
+    results = job.ok(world=2)
+    event = assert_common_stop(results, step=3, same_weights_across_ranks=False)
+    assert (event["kind"], event["rank"], event["layer"]) == ("grad", 1, "blocks.1.fc.weight"), event
+    assert "not given to nanguard.init" not in job.output and "could not write" not in job.output
+    from nanguard import incident as capture
+
+    incident = capture.read_incident(results[0]["error"]["incident"])
+    assert incident.manifest["sharded"].startswith("zero:")
+    shards = [incident.rank_state(rank)["optimizer"]["state"] for rank in (0, 1)]
+    # every parameter's state is in one rank's shard (the model has no buffers)
+    assert all(shards) and sum(len(s) for s in shards) == len(incident.rank_state(0)["model"])
+
+
+@pytest.mark.timeout(180)
 def test_three_ranks_clean_run_never_stops(torchrun):
     job = torchrun.standalone("ddp_train.py", "--steps", "30", nproc=3)
     results = job.ok(world=3)

@@ -165,7 +165,8 @@ def weights_digest(model: nn.Module) -> str:
 
 
 def optim_digest(optimizer: torch.optim.Optimizer) -> str:
-    return digest(optimizer.state_dict())
+    # (a ZeroRedundancyOptimizer's whole state is on no rank: its local optimizer's is this rank's)
+    return digest(getattr(optimizer, "optim", optimizer).state_dict())
 
 
 def all_finite(model: nn.Module) -> bool:
@@ -212,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
                    help="DDP sums the gradients of every micro-batch (no no_sync)")
     p.add_argument("--rewrap-step", type=int, default=None,
                    help="every rank wraps the model again (a new DDP) at this step, and lets the old one go")
+    p.add_argument("--zero", action="store_true", help="a ZeroRedundancyOptimizer shards AdamW's state across ranks")
     p.add_argument("--on-nan", default="raise")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
     p.add_argument("--warn-every-step", action="store_true",
@@ -245,7 +247,12 @@ def run(args: argparse.Namespace, wrap) -> int:
     torch.manual_seed(0)
     net = Net(synced=args.synced, sync_grad=args.sync_grad)
     model, no_sync = wrap(net)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
     guard = nanguard.init(model, optimizer, on_nan=args.on_nan, **overrides)
     if args.fp16_hook_after_init:
