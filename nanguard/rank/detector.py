@@ -510,9 +510,13 @@ def _called_outside(detector: Detector, output: Any) -> bool:
     model's part (DDP's inner module, a validation step), not checked: its probes would join the
     next training step's. The first call of a step's forward tells when the backward pass starts,
     as a root forward would, so that the gradients are taken as it leaves them (before clipping
-    spreads a NaN); calls inside a backward pass are marked as such."""
+    spreads a NaN); calls inside a backward pass are marked as such. What was registered into
+    hooked modules since is hooked and named here too (the script calls a wrapped model's inner one
+    itself: PEFT's ``merge_and_unload()`` moved its base layers back into their places)."""
     if not torch.is_grad_enabled():
         return False
+    if detector.added:
+        _hook_added(detector)
     if not detector.log.mark_backward(_graph_task() != -1) and not detector.backward.armed:
         detector.backward.forward_done(output)
     return True

@@ -1649,6 +1649,42 @@ def test_modules_and_parameters_added_after_init_are_checked_and_named():
     assert "its parameter(s) bias are non-finite" in events[1].message
 
 
+class Holder(nn.Module):
+    """A wrapper that holds the model (PEFT's ``PeftModel`` holds it two levels down)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_a_layer_moved_back_into_its_place_is_renamed_when_the_script_calls_the_inner_model():
+    # as PEFT's merge_and_unload(): the adapter's base layer is put back in its place, and the
+    # script trains the model the wrapper held, called directly: the guarded root runs no forward
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    inner[0] = LoRA(inner[0])
+    wrapper = Holder(inner)
+    optimizer = torch.optim.SGD([p for p in wrapper.parameters() if p.requires_grad], lr=0.1)
+    with nanguard.init(wrapper, optimizer):
+        wrapper(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        inner[0] = inner[0].base.requires_grad_(True)  # merged: the base layer is the layer again
+        optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(1, 4):
+                with torch.no_grad():
+                    inner[0].weight[0, 0] = math.nan if step == 2 else inner[0].weight[0, 0]
+                inner(torch.randn(5, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("forward", "model.0", 2), event
+    assert "its parameter(s) weight are non-finite" in event.message
+
+
 def test_a_step_the_script_drops_after_its_backward_pass_is_not_stopped_a_step_later():
     # the script's own check (clip_grad_norm_'s error_if_nonfinite) drops the step: the next one is clean
     torch.manual_seed(0)
