@@ -31,6 +31,7 @@ from .modules import ddp_inner, unwrap_optimizer
 from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
+from .rewind import Rewind, closure_step
 from .respond import Responder, models_to_save, step_inputs
 
 
@@ -46,6 +47,7 @@ class Guard:
         self._scoped = model is not None
         self._handles: list[Any] = []
         self._undo: list[Callable[[], Any]] = []  # what is not a hook handle
+        self._several: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # (``closure_step``)
         self._roots: list[tuple[Callable[[], nn.Module | None], str]] = []
         """(root, the prefix of its names), in the order they were attached"""
         self._rng: dict[str, Any] | None = None
@@ -255,7 +257,8 @@ class Guard:
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:
             return None
-        wrapped = wrap_closure(args, kwargs, lambda first: self._step_decision(optimizer, count=first))
+        wrapped = closure_step(optimizer, args, kwargs, wrap_closure,
+                               lambda first, rewind: self._step_decision(optimizer, first, rewind), self._several)
         if wrapped is not None:
             return wrapped  # the forward and backward run inside the step: decide after them
         self._step_decision(optimizer)
@@ -265,13 +268,15 @@ class Guard:
         if not self._closed and not self._clock.optimizer_seen and self._clock.follow(optimizer):
             self._detector.new_step()
 
-    def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True) -> None:
+    def _step_decision(self, optimizer: torch.optim.Optimizer, count: bool = True, rewind: Rewind | None = None) -> None:
         self._observer.optimizers([optimizer], {})
         counted = self._clock.begin(optimizer, count)
+        self._respond.rewind = rewind
         try:
             self._decider.decide(optimizer, collective=True)
         finally:
             self._clock.end(counted)
+            self._respond.rewind = None
 
     def _after_scaler_update(self) -> None:
         # a step the scaler skipped was never decided, nor counted: it counts, and is decided from

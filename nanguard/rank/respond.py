@@ -24,6 +24,7 @@ from ..protocol import OBSERVED
 from . import forensics
 from .buffers import Buffers
 from .decision import params
+from .rewind import Rewind
 from .detector import Detector
 from .fed import as_fed
 from .diagnose import Finding
@@ -76,6 +77,9 @@ class Responder:
         self.buffers = buffers
         self.param_name = param_name
         self.incident: str | None = None
+        self.rewind: Rewind | None = None
+        """the parameters and optimizer state as the step began, while a later call of a closure is
+        decided (set by the guard: ``rewind.closure_step``)"""
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_param_grad_norms: dict[str, float] = {}
@@ -118,6 +122,13 @@ class Responder:
                           f" (and {held} more such step(s) in the last minute)" if held else "")
         if policy != "warn":
             self._restore_buffers()  # the step does not happen: what its forward wrote goes back
+            if self.rewind is not None and optimizer is not None:  # (LBFGS: found in a later call of its closure)
+                self.rewind.restore(optimizer)
+                log.error("nanguard: %s had updated the weights in this step before the call of its closure that"
+                          " went bad: they, and its state, were put back as they were before the step",
+                          type(optimizer).__name__)
+                if policy == "skip":
+                    self.rewind.after_step(optimizer)
         wanted = policy == "raise" and self.settings.capture is not False or (
             policy == "skip" and self.settings.capture)
         if wanted and (together or not group.active):

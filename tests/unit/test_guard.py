@@ -1,5 +1,6 @@
 """End-to-end behaviour of one guard in one process."""
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -760,3 +761,48 @@ def test_step_with_a_closure_is_decided_after_the_closure(make_optimizer):
         assert step == 3 and info.value.event.step == 3 and guard.step == 4
         for name, value in model.state_dict().items():
             assert torch.equal(value, saved[name]), f"{name} was updated by the bad step"
+
+
+@pytest.mark.parametrize("on_nan", ["raise", "skip"])
+def test_a_closure_that_goes_bad_in_a_later_call_leaves_the_step_as_it_began(on_nan, tmp_path):
+    # LBFGS updates the weights between the calls of its closure: a NaN in the second call comes
+    # after an update of the very step that is not taken; it, and the optimizer's state, go back
+    from nanguard.incident import read_incident
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    with nanguard.init(model, optimizer, on_nan=on_nan, dir=str(tmp_path), capture=True) as guard:
+        with contextlib.suppress(nanguard.NonFiniteError):
+            for step in range(6):
+                x, calls = torch.randn(6, 4), []
+
+                def closure():
+                    optimizer.zero_grad()
+                    calls.append(1)
+                    out = model(x)
+                    loss = (out * (math.nan if step == 3 and len(calls) == 2 else 1.0)).pow(2).mean()
+                    loss.backward()
+                    return loss
+
+                weights = copy.deepcopy(model.state_dict())
+                state = copy.deepcopy(optimizer.state_dict())
+                optimizer.step(closure)
+                if step == 3:
+                    break
+        assert step == 3 and len(calls) == 2 and [e.step for e in guard.events] == [3]
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, weights[name]), f"{name} kept an update of the bad step"
+        now = optimizer.state_dict()["state"]
+        assert now.keys() == state["state"].keys()
+
+
+        def same(a, b):
+            if isinstance(a, list):
+                return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+            return a is b is None or (a is not None and b is not None and torch.equal(torch.as_tensor(a),
+                                                                                       torch.as_tensor(b)))
+
+        assert all(same(now[0][key], value) for key, value in state["state"][0].items()), (now, state)
+        saved = read_incident(guard.incident).rank_state(0)["model"]
+        assert all(torch.equal(saved[name], value) for name, value in weights.items())
