@@ -10,6 +10,7 @@ there; without a coordinator or a replay they do nothing.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,8 +32,10 @@ from .modules import ddp_inner, unwrap_optimizer
 from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update, wrap_closure
 from .reporter import Reporter, connect
-from .rewind import Rewind, closure_step
 from .respond import Responder, models_to_save, step_inputs
+from .rewind import Rewind, closure_step
+
+_log = logging.getLogger("nanguard")
 
 
 class Guard:
@@ -381,6 +384,8 @@ def init(model: nn.Module | None = None,
         observer = Replay.open(settings, collectives.rank, collectives.world_size)
         settings = observer.forensic(settings)
     if settings.disable:
+        _log.warning("nanguard: disabled (NANGUARD_DISABLE=1, or init(disable=True)): nothing in this process is"
+                     " checked, and a non-finite value reaches the weights unseen")
         return Guard(None, [], settings, on_stop)
     # gloo's workers idle before Python finalizes, or one may abort the process (_dist.py says why)
     atexit.unregister(settle_gloo_workers)

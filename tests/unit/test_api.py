@@ -81,12 +81,14 @@ def test_check_rejects_non_tensors(mlp):
         guard.check(torch.ones(1), name="")
 
 
-def test_disable_installs_nothing(monkeypatch):
+def test_disable_installs_nothing_and_says_so(monkeypatch, caplog):
     monkeypatch.setenv("NANGUARD_DISABLE", "1")
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = nanguard.init(model, optimizer)
     assert hook_count(model) == 0 and not optimizer._optimizer_step_pre_hooks
+    # a variable left in a job's environment must not turn the guard off without a trace
+    assert any("nanguard: disabled (NANGUARD_DISABLE=1" in r.getMessage() for r in caplog.records)
     model[2].armed = True
     train_step(model, optimizer, guard)
     guard.close()
