@@ -324,8 +324,12 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
             seen = log.records[j].same_as if log.records[j].role == LINK else j  # where it was probed
             code = _code_between(catalog, log, extremes, seen)
             batch = _bad_batch(catalog, log, index)  # forward code computes from the batch too (a mask)
+            compiled = any(record.compiled for record in log.records[:index])
             where = (f"{batch[2]}, with NaN, which the forward code of {code} may have carried here before this"
                      " module ran (or that code made the value)" if batch and batch[0] else
+                     f"the non-finite input was born before this module ran: in the forward code of {code}, or in"
+                     " a module that ran inside a compiled graph, where containers and inputs are not checked"
+                     if compiled else
                      "the non-finite input was born outside any module, before this module ran, in the forward"
                      f" code of {code}")
             return math.isnan(pair[0]), log.records[seen].tensor(), f"its input was already non-finite: {where}"

@@ -349,3 +349,44 @@ def test_the_key_value_cache_decoders_carry_in_training_is_not_probed_layer_afte
             counts[layers, use_cache] = probes.count
     assert all(counts[layers, True] == counts[layers, False] for layers in (2, 4, 6)), counts
     assert counts[6, True] - counts[4, True] == counts[4, True] - counts[2, True] > 0, counts  # as many per layer
+
+
+class _Act(torch.nn.Module):
+    """A wrapper of an activation whose own forward code makes the NaN (a log of a negative) once armed."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.armed = inner, False
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y + torch.log(-torch.ones_like(y[..., :1])) if self.armed else y
+
+
+def test_gpt2_compiled_beside_the_users_own_hooks_never_claims_code_it_did_not_check():
+    # the user's own forward hooks (the oracle's: data-dependent) break the compiled graph into
+    # pieces: some modules run compiled, where containers and inputs are not checked, others
+    # eagerly. A NaN born in a container's own code that ran compiled must not be claimed as born
+    # in the code between modules: named where the oracle saw it, or hedged
+    model = gpt2()
+    act = model.transformer.h[1].mlp.act = _Act(model.transformer.h[1].mlp.act)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.init(model, optimizer):
+        oracle = ForwardOracle(model)
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def arm(i):
+            act.armed = i == 2
+
+        try:
+            _, err, before = until_stop(lm_step(compiled, optimizer), model, optimizer, steps=4, arm=arm,
+                                        oracles=[oracle])
+        finally:
+            oracle.close()
+    assert_untouched(before, model, optimizer)
+    producer = oracle.producer()
+    assert (producer.name, producer.inputs_finite) == ("transformer.h.1.mlp.act", True)
+    event = err.event
+    assert event.step == 2
+    assert event.layer == producer.name or "compiled graph" in event.message, str(event)
+    assert "born outside any module" not in event.message, str(event)
