@@ -18,32 +18,45 @@ def _coordinator(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _fail(args: argparse.Namespace, problem: object, code: int) -> int:
+    """Say ``problem`` on one line of stderr (escaped: it may quote what a coordinator sent); ``code``."""
+    from ._text import printable
+
+    print(f"nanguard {args.command}: {printable(str(problem))}", file=sys.stderr)
+    return code
+
+
 def _ask(args: argparse.Namespace, type_: str, body: dict):
     """One operator request; the reply, or an exit code after saying what went wrong."""
     from .config import setting_from_env
-    from .coordinator.control import request
+    from .coordinator.control import check_timeout, request
     from .errors import ConfigError, CoordinatorUnreachable, ProtocolError, RequestRefused
+    from .wire import check_body
 
+    try:
+        check_timeout(args.timeout_s, "--timeout-s")
+    except ValueError as exc:
+        return _fail(args, exc, 2)
+    try:
+        check_body(type_, body)
+    except ProtocolError as exc:
+        return _fail(args, f"the coordinator would refuse this request ({exc}); nothing was sent", 2)
     try:
         address = args.coordinator or setting_from_env("coordinator")
         token, operator_token, curve_public_key = (setting_from_env(name) for name in
                                                    ("token", "operator_token", "curve_public_key"))
     except ConfigError as exc:
-        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, exc, 2)
     if not address:
-        print(f"nanguard {args.command}: no coordinator address: pass --coordinator tcp://HOST:PORT or "
-              "set NANGUARD_COORDINATOR", file=sys.stderr)
-        return 2
+        return _fail(args, "no coordinator address: pass --coordinator tcp://HOST:PORT or set "
+                     "NANGUARD_COORDINATOR", 2)
     try:
         return request(address, token, type_, body, operator_token=operator_token,
                        curve_public_key=curve_public_key, timeout_s=args.timeout_s)
     except (CoordinatorUnreachable, ProtocolError, RequestRefused) as exc:
-        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, exc, 1)
     except ValueError as exc:
-        print(f"nanguard {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, exc, 2)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -60,34 +73,40 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_status(status: dict, now: float) -> str:
-    """The ``status`` reply as a table; ``now`` is the coordinator's clock when it answered."""
+    """The ``status`` reply as a table; ``now`` is the coordinator's clock when it answered. Text
+    from the coordinator is escaped (``_text.printable``): a coordinator, or a rank through it,
+    must not drive the operator's terminal."""
     import time
+
+    from ._text import printable as p
 
     rows = [("rank", "host", "step", "last seen", "state", "events", "dropped")]
     for r in status["ranks"]:
         state = ("finished" if r["finished"] else "failed" if r["failed"] else "stalled" if r["stalled"]
                  else "alive" if r["alive"] else "dead")
-        rows.append((str(r["rank"]), r["host"] or "?", "?" if r["step"] is None else str(r["step"]),
+        rows.append((str(r["rank"]), p(r["host"]) or "?", "?" if r["step"] is None else str(r["step"]),
                      f"{max(0.0, now - r['last_seen']):.1f} s ago", state, str(r["events"]),
                      str(r["dropped"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"job: {status['job'] or '(none yet)'}, {len(status['ranks'])} rank(s)"]
+    lines = [f"job: {p(status['job'] or '(none yet)')}, {len(status['ranks'])} rank(s)"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     stop = status["stop"]
     if stop is None:
         lines.append("stop: none")
     else:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stop["time"]))
-        lines.append(f"stop: command {stop['command_id']} ({stop['origin']}) at {when}: {stop['reason']}; "
+        lines.append(f"stop: command {p(stop['command_id'])} ({p(stop['origin'])}) at {when}: {p(stop['reason'])}; "
                      f"acked by {len(stop['acked'])} of {len(status['ranks'])} rank(s)")
     return "\n".join(lines)
 
 
 def _stop(args: argparse.Namespace) -> int:
+    from ._text import printable
+
     reply = _ask(args, "stop_request", {"reason": args.reason})
     if isinstance(reply, int):
         return reply
-    command_id = reply.body["command_id"]
+    command_id = printable(reply.body["command_id"])
     if reply.body["existing"]:
         print(f"{command_id} (the job was already stopping; that command stands)")
     else:

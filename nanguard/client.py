@@ -31,7 +31,7 @@ from . import curve
 from .errors import ProtocolError
 from .events import Event, json_float
 from .protocol import ACTIONS, IDENTITY_FIELDS, STOP_REASONS, check_curve_key, parse_address
-from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body
+from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body, wire_event
 
 log = logging.getLogger("nanguard.client")
 
@@ -227,7 +227,7 @@ class _Sender:
 
     def _events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
         body = {"rank": self._identity["rank"], "job": self._identity["job"],
-                "events": [event.to_dict(compact=True) for event, _ in batch], "action": batch[0][1]}
+                "events": [wire_event(event.to_dict(compact=True)) for event, _ in batch], "action": batch[0][1]}
         try:
             frames = self._link.encode("events", body)
         except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold

@@ -7,9 +7,9 @@ set from the environment as ``NANGUARD_<FIELD>`` (upper case); lists are comma-s
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,28 @@ from .protocol import POLICIES, Policy, check_curve_key, parse_address
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _DEVICE = re.compile(r"[a-z][a-z0-9_]*(:[0-9]+)?")  # torch.device's form; torch itself checks it later
+_DATALESS_DEVICES = frozenset(("meta",))
+"""device kinds whose tensors hold no values: nothing to replay on"""
+_MAX_DETAIL_MB = float(2**20)
+"""1 TiB: more than any device holds; a larger number overflows once made a count of bytes"""
+_MAX_COUNT = 2**31 - 1
+"""the largest count setting (ring and queue sizes, steps): Python's containers take no more"""
+_OPTIONAL = frozenset(("grad_norm_warn", "replay_rank"))
+"""number settings that may be None"""
+_NUMBERS = {  # name: (the test of its lowest value, its highest, what it must be)
+    "heartbeat_s": (lambda v: v >= 0.05, 3600.0, "a number of seconds in [0.05, 3600]"),
+    "detail_mb": (lambda v: v >= 0, _MAX_DETAIL_MB, f"a number of MiB in [0, {_MAX_DETAIL_MB:.0f}]"),
+    "grad_norm_warn": (lambda v: v > 0, sys.float_info.max, "a positive finite number or None"),
+    "spike_factor": (lambda v: v > 1, sys.float_info.max, "a finite number above 1"),
+}
+"""the float settings: never a bool, never NaN (no comparison holds), never infinite"""
+_COUNTS = {"max_events": 1, "max_pending": 1, "spike_warmup_steps": 1, "event_queue": 1, "flight_steps": 0,
+           "replay_rank": 0}
+"""the integer settings and their lowest value"""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _parse_bool(text: str) -> bool:
@@ -126,54 +148,50 @@ class Settings:
             raise ConfigError(f"on_nan={self.on_nan!r} is not one of {', '.join(POLICIES)}")
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"dir={self.dir!r} must be a non-empty path")
+        for name in ("token", "replay", "sample_id_key"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ConfigError(f"{name}={value!r} must be a non-empty string or None")
         if self.coordinator is not None:
             try:
-                parse_address(self.coordinator)
+                parse_address(self.coordinator, label=f"coordinator={self.coordinator!r}")
             except ValueError as exc:
-                raise ConfigError(str(exc).replace("coordinator address ", "coordinator=", 1)) from None
+                raise ConfigError(str(exc)) from None
         if self.curve_public_key is not None:
             try:
                 check_curve_key(self.curve_public_key, "curve_public_key")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        if not (isinstance(self.heartbeat_s, (int, float)) and 0.05 <= self.heartbeat_s <= 3600):
-            raise ConfigError(f"heartbeat_s={self.heartbeat_s!r} must be a number of seconds in [0.05, 3600]")
-        if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
-            raise ConfigError(f"flight_steps={self.flight_steps!r} must be an integer >= 0")
-        for name in ("max_events", "max_pending", "spike_warmup_steps", "event_queue"):
+        for name, (lowest, highest, what) in _NUMBERS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if not (isinstance(self.detail_mb, (int, float)) and 0 <= self.detail_mb < math.inf):
-            raise ConfigError(f"detail_mb={self.detail_mb!r} must be a number of MiB, 0 or more")
-        if self.grad_norm_warn is not None and not (
-            isinstance(self.grad_norm_warn, (int, float)) and self.grad_norm_warn > 0
-            and math.isfinite(self.grad_norm_warn)
-        ):
-            raise ConfigError(f"grad_norm_warn={self.grad_norm_warn!r} must be a positive number or None")
-        if not (isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1
-                and math.isfinite(self.spike_factor)):
-            raise ConfigError(f"spike_factor={self.spike_factor!r} must be a number above 1")
+            if not (value is None and name in _OPTIONAL or _is_number(value) and lowest(value) and value <= highest):
+                raise ConfigError(f"{name}={value!r} must be {what}")
+        for name, lowest in _COUNTS.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= _MAX_COUNT:
+                raise ConfigError(f"{name}={value!r} must be an integer in [{lowest}, {_MAX_COUNT}]")
         if self.capture not in (None, True, False):
             raise ConfigError(f"capture={self.capture!r} must be None, True or False")
-        self._check_replay()
+        self._check_replay_device()
         for name in ("disable", "param_grad_norms", "capture_batch", "replay_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        for name in ("skip_types", "skip_modules"):
+        for name, what in (("skip_types", "module class names or classes"),
+                           ("skip_modules", "module name patterns")):
             value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, (str, type)) for v in value):
-                raise ConfigError(f"{name}={value!r} must be a list of names")
+            if not isinstance(value, tuple) or not all(isinstance(v, (str, type)) for v in value):
+                raise ConfigError(f"{name}={value!r} must be a list of {what}")
 
-    def _check_replay(self) -> None:
-        if self.replay_device is not None and not (
-                isinstance(self.replay_device, str) and _DEVICE.fullmatch(self.replay_device)):
-            raise ConfigError(f"replay_device={self.replay_device!r} must name a device such as cpu or cuda:3")
-        if self.replay_rank is not None and (isinstance(self.replay_rank, bool) or not isinstance(
-                self.replay_rank, int) or self.replay_rank < 0):
-            raise ConfigError(f"replay_rank={self.replay_rank!r} must be a rank (0 or more) or None")
-        if self.sample_id_key is not None and not (isinstance(self.sample_id_key, str) and self.sample_id_key):
-            raise ConfigError(f"sample_id_key={self.sample_id_key!r} must be a non-empty name or None")
+    def _check_replay_device(self) -> None:
+        device = self.replay_device
+        if device is None:
+            return
+        if not (isinstance(device, str) and _DEVICE.fullmatch(device)):
+            raise ConfigError(f"replay_device={device!r} must name a device such as cpu or cuda:3")
+        if device.split(":")[0] in _DATALESS_DEVICES:
+            raise ConfigError(f"replay_device={device!r} holds no data: replay on cpu, cuda or cuda:N")
 
     @classmethod
     def resolve(cls, overrides: Mapping[str, Any] | None = None,
@@ -192,7 +210,7 @@ class Settings:
         for name, f in fields.items():
             if name in overrides:
                 value = overrides[name]
-                if name in ("skip_types", "skip_modules") and isinstance(value, (list, set)):
+                if name in ("skip_types", "skip_modules") and isinstance(value, (list, set, frozenset)):
                     value = tuple(value)
                 values[name] = value
                 continue

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from ._text import printable
+
 # --- events ---------------------------------------------------------------------------------
 STOP_KINDS = ("forward", "loss", "check", "backward", "grad", "buffer")
 """event kinds that stop a step"""
@@ -65,14 +67,17 @@ MAX_JOB_LENGTH = 128
 
 
 def job_name(run_id: str | None) -> str:
-    """The job a rank reports: TORCHELASTIC_RUN_ID, else "local". A run id too long for the wire
-    keeps its start and gains a digest of the whole, so that two long ids still differ."""
+    """The job a rank reports: TORCHELASTIC_RUN_ID, else "local". Characters the wire refuses
+    (``printable``) are escaped; a run id too long for the wire keeps its start and gains a
+    digest of the whole, so that two long ids still differ."""
     if not run_id:
         return "local"
-    if len(run_id) <= MAX_JOB_LENGTH:
-        return run_id
+    shown = printable(run_id)
+    if len(shown) <= MAX_JOB_LENGTH:
+        return shown
     digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"{run_id[:MAX_JOB_LENGTH - 17]}-{digest}"
+    return f"{shown[:MAX_JOB_LENGTH - 17]}-{digest}"
+
 
 # --- CurveZMQ keys (curve.py) ----------------------------------------------------------------
 _Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
@@ -87,7 +92,7 @@ def check_curve_key(text: object, name: str) -> str:
 
 # --- addresses --------------------------------------------------------------------------------
 _TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5}|\*)")
-_ADDRESS_FORM = "tcp://host:port (port 1-65535) or ipc:///path"
+_ADDRESS_FORM = "tcp://host:port (port {lowest}-65535) or ipc:///path"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,21 +118,28 @@ class Address:
             return False
 
 
-def parse_address(text: object, *, bind: bool = False) -> Address:
-    """Parse a coordinator address; ``bind`` also allows port 0 or ``*`` and host ``*``.
+def parse_address(text: object, *, bind: bool = False, label: str | None = None) -> Address:
+    """Parse a coordinator address; ``bind`` also allows port 0 or ``*``, host ``*`` and
+    ``inproc://name`` (one process only: nothing another process can connect to).
 
-    Raises ValueError saying what an address must look like.
+    Raises ValueError saying what an address must look like, about ``label`` (default:
+    "coordinator address 'TEXT'").
     """
+    lowest = 0 if bind else 1
+    form = _ADDRESS_FORM.format(lowest=lowest)
+    if label is None:
+        label = f"coordinator address {text!r}"
     if not isinstance(text, str):
-        raise ValueError(f"a coordinator address must be a string like {_ADDRESS_FORM}, got {text!r}")
-    for scheme in ("ipc", "inproc"):
+        raise ValueError(f"{label} must be a string like {form}")
+    schemes = ("ipc", "inproc") if bind else ("ipc",)
+    for scheme in schemes:
         prefix = f"{scheme}://"
-        if text.startswith(prefix) and len(text) > len(prefix):
-            return Address(scheme, text[len(prefix):], None)
+        name = text[len(prefix):]
+        if text.startswith(prefix) and name and not name.endswith("/") and name.isprintable():
+            return Address(scheme, name, None)
     match = _TCP.fullmatch(text)
     if match is not None:
         host, port = match.group(1).strip("[]"), match.group(2)
-        lowest = 0 if bind else 1
         if (host != "*" or bind) and (port == "*" and bind or port != "*" and lowest <= int(port) <= 65535):
             return Address("tcp", host, None if port == "*" else int(port))
-    raise ValueError(f"coordinator address {text!r} must look like {_ADDRESS_FORM}")
+    raise ValueError(f"{label} must look like {form}")

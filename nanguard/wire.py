@@ -43,6 +43,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import event_values, shown
+from ._text import printable
 from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, ROLES, STOP_REASONS
 
 VERSION = 2
@@ -92,9 +93,13 @@ def _integer(lo: int, hi: int) -> Check:
 
 
 def _text(max_len: int, choices: Sequence[str] | None = None) -> Check:
+    """A string of at most ``max_len`` printable characters (``str.isprintable``): free text is
+    shown to operators and logged, so no terminal control sequence, line break or bidi control
+    ever reaches them (``_text.printable`` escapes what a sender should not send)."""
     def check(value: Any) -> str:
-        if not isinstance(value, str) or len(value) > max_len:
-            raise ValueError(f": expected a string of at most {max_len} characters, got {_short(value)}")
+        if not isinstance(value, str) or len(value) > max_len or not value.isprintable():
+            raise ValueError(f": expected a string of at most {max_len} printable characters (no control "
+                             f"characters), got {_short(value)}")
         if choices is not None and value not in choices:
             raise ValueError(f": expected one of {', '.join(choices)}, got {_short(value)}")
         return value
@@ -175,6 +180,7 @@ _SECONDS = _number(0.0, 1e9)
 _TIMESTAMP = _number(0.0, 1e11)
 _GRAD_NORM = _optional(_number(0.0, math.inf, nonfinite=True))
 _EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "message": 2000, "output_field": 256}
+"""an event's text fields and their longest: printable text only (a stop's reason shows the layer)"""
 
 
 def _event(value: Any) -> dict[str, Any]:
@@ -187,8 +193,22 @@ def _event(value: Any) -> dict[str, Any]:
     if values["rank"] < 0 or values["step"] < 0:
         raise ValueError(f": negative rank or step ({values['rank']}, {values['step']})")
     for name, max_len in _EVENT_TEXT_MAX.items():
-        if len(values.get(name) or "") > max_len:
+        text = values.get(name) or ""
+        if len(text) > max_len:
             raise ValueError(f".{name}: longer than {max_len} characters")
+        if not text.isprintable():
+            raise ValueError(f".{name}: control characters in {_short(text)}")
+    return values
+
+
+def wire_event(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (an ``Event.to_dict()``, changed in place) as the schema takes it: its text
+    escaped (``_text.printable``) where it holds a character the schema refuses, so that a module
+    named with a control character (or a message with a line break) costs its look, not the event."""
+    for name, max_len in _EVENT_TEXT_MAX.items():
+        text = values.get(name)
+        if text.__class__ is str and not text.isprintable():
+            values[name] = printable(text)[:max_len]
     return values
 
 
@@ -293,8 +313,9 @@ class Codec:
 
     def __init__(self, sender: str, token: str | None = None, *, operator_token: str | None = None,
                  max_bytes: int = MAX_BYTES):
-        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
-            raise ValueError(f"sender must be a string of 1 to {_MAX_SENDER} characters, got {_short(sender)}")
+        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER or not sender.isprintable():
+            raise ValueError(f"sender must be a string of 1 to {_MAX_SENDER} printable characters, got "
+                             f"{_short(sender)}")
         if token and token == operator_token:
             raise ValueError("NANGUARD_OPERATOR_TOKEN must differ from NANGUARD_TOKEN: ranks hold the one, "
                              "only operators the other")
@@ -376,15 +397,17 @@ class Codec:
         type_, sender, seq, sent, to = data["type"], data["sender"], data["seq"], data["time"], data["to"]
         if not isinstance(type_, str):
             raise ProtocolError(f"message type {_short(type_)} is not a string")
-        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER:
-            raise ProtocolError(f"sender {_short(sender)} is not a string of 1 to {_MAX_SENDER} characters")
+        if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_SENDER or not sender.isprintable():
+            raise ProtocolError(f"sender {_short(sender)} is not a string of 1 to {_MAX_SENDER} printable "
+                                "characters")
         if seq.__class__ is not int or not 0 <= seq <= _MAX_SEQ:
             raise ProtocolError(f"seq {_short(seq)} is not a non-negative integer")
         when = _finite(sent)
         if when is None:
             raise ProtocolError(f"time {_short(sent)} is not a finite number")
-        if not isinstance(to, str) or len(to) > _MAX_SENDER:
-            raise ProtocolError(f"to {_short(to)} is not a string of at most {_MAX_SENDER} characters")
+        if not isinstance(to, str) or len(to) > _MAX_SENDER or not to.isprintable():
+            raise ProtocolError(f"to {_short(to)} is not a string of at most {_MAX_SENDER} printable "
+                                "characters")
         body = check_body(type_, data["body"])
         return Message(type_, sender, seq, when, to, body, payload, role)
 

@@ -25,6 +25,17 @@ from ..protocol import parse_address
 from ..wire import MAX_STATUS_BYTES, Codec, Message
 
 REPLIES = {"status_request": "status", "stop_request": "stop_accepted"}
+MAX_TIMEOUT_S = 86400.0
+"""the longest an operator request waits for its answer: a day"""
+
+
+def check_timeout(value: object, name: str) -> float:
+    """``value`` when it is a positive finite number of seconds up to MAX_TIMEOUT_S; else
+    ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be a positive finite number of seconds (at most {MAX_TIMEOUT_S:g}), "
+                         f"got {value!r}; nothing was sent")
+    return float(value)
 
 
 def request(address: str, token: str | None, type_: str, body: dict[str, Any], *,
@@ -39,6 +50,7 @@ def request(address: str, token: str | None, type_: str, body: dict[str, Any], *
     if type_ not in REPLIES:
         raise ValueError(f"{type_!r} is not an operator request; one of {', '.join(REPLIES)}")
     parse_address(address)  # ValueError: says what an address looks like
+    timeout_s = check_timeout(timeout_s, "timeout_s")
     # the operator's key alone when it has one: what it signs is then an operator's request
     codec = Codec(f"operator@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}",
                   None if operator_token else token, operator_token=operator_token, max_bytes=MAX_STATUS_BYTES)

@@ -67,6 +67,24 @@ def is_loopback(bind: str) -> bool:
         return False
 
 
+def _refusal(args: argparse.Namespace, token: str | None) -> str | None:
+    """Why the daemon must not start (--bind or --metrics-port no address, or an open port without
+    a token), or None: checked before anything is opened."""
+    try:
+        address = parse_address(args.bind, bind=True, label=f"--bind {args.bind!r}")
+    except ValueError as exc:
+        return f"{exc}; nothing was started"
+    if address.scheme == "inproc":
+        return (f"--bind {args.bind!r}: no other process can reach an inproc:// address; use tcp:// or "
+                "ipc://; nothing was started")
+    if not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port {args.metrics_port} is not a port (0-65535); nothing was started"
+    if token is None and not address.is_loopback and not args.insecure:
+        return (f"refusing to listen on {args.bind} without a token: set NANGUARD_TOKEN (the same on every "
+                "rank), bind a loopback address, or pass --insecure")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -79,10 +97,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"nanguard coordinator: {exc}; not started", file=sys.stderr)
         return 2
-    if token is None and not is_loopback(args.bind) and not args.insecure:
-        print(f"nanguard coordinator: refusing to listen on {args.bind} without a token: set "
-              "NANGUARD_TOKEN (the same on every rank), bind a loopback address, or pass --insecure",
-              file=sys.stderr)
+    problem = _refusal(args, token)
+    if problem is not None:
+        print(f"nanguard coordinator: {problem}", file=sys.stderr)
         return 2
     registry = CollectorRegistry()
     # two I/O threads: a stop to a thousand ranks is a thousand TCP writes (a bare ZeroMQ

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from .. import __version__, curve
 from ..errors import ProtocolError
-from ..protocol import check_curve_key
+from ..protocol import check_curve_key, parse_address
 from ..wire import MAX_BYTES, Codec, Message, ReplayFilter
 from .clock import Instant, LoopClock, require_positive
 from .eventlog import EventLog
@@ -72,6 +72,7 @@ class Coordinator:
                  stall_after_s: float = 300.0, resend_s: float = 0.2, context: zmq.Context | None = None):
         # checked before the metrics exist: a refused coordinator leaves the registry empty
         require_positive(dead_after_s=dead_after_s, stall_after_s=stall_after_s, resend_s=resend_s)
+        parse_address(bind, bind=True)  # ZeroMQ would take tcp://host:99999 as another port
         if curve_secret_key is not None:
             check_curve_key(curve_secret_key, "the CurveZMQ secret key")
         self._codec = Codec(f"coordinator@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}",
