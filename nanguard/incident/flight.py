@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._text import printable
+
 VERSION = 1
 DRAWN = ("loss", "grad_norm")
 MAX_ROWS = 100_000
@@ -190,6 +192,11 @@ def _range(values: list[float | None]) -> str:
 
 
 # ---------------------------------------------------------------------- drawing in a file
+def _label(text: str) -> str:
+    """A name from the incident as plain text in a figure: escaped, and no mathtext (``$``)."""
+    return printable(text).replace("$", r"\$")
+
+
 def plot(flight: Flight, incident_step: int, title: str, path: str) -> None:
     """Loss and grad norm against the step as an image (its format from ``path``'s extension),
     the incident step marked. Needs matplotlib (``pip install 'nanguard[plot]'``): ImportError
@@ -213,8 +220,8 @@ def plot(flight: Flight, incident_step: int, title: str, path: str) -> None:
         if finite and min(finite) > 0 and max(finite) / min(finite) >= 100:
             ax.set_yscale("log")
         ax.axvline(incident_step, color="red", linestyle="--", label=f"step {incident_step}, the incident")
-        ax.set_ylabel(name)
+        ax.set_ylabel(_label(name))
         ax.legend(loc="upper left", fontsize="small")
     axes[-1].set_xlabel("step")
-    figure.suptitle(title)
+    figure.suptitle(_label(title))
     figure.savefig(path, dpi=100)

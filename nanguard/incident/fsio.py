@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ..errors import IncidentError
 from ..events import Event
 
 
@@ -84,6 +85,19 @@ def plain(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
+
+
+def read_json(path: str, failed: str, damaged: str) -> Any:
+    """The JSON in ``path``; IncidentError naming it, saying it ``failed`` ("is not valid JSON")
+    and why, then ``damaged`` (what that means and what to do), when it cannot be read, is not
+    JSON, or is nested too deep to decode."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except RecursionError as exc:
+        raise IncidentError(path, f"{failed} (nested too deep); {damaged}") from exc
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise IncidentError(path, f"{failed} ({exc}); {damaged}") from exc
 
 
 def write_json(path: str, obj: Any) -> dict[str, Any]:

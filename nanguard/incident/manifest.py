@@ -14,7 +14,8 @@ Layout (``FORMAT_VERSION`` 2)::
 
 The manifest lists every file with its size and sha256; nothing a manifest names is read before
 all of its structure has been checked, and only the file names above may appear in it, so a
-damaged or hostile manifest cannot make a reader look outside the incident.
+damaged or hostile manifest cannot make a reader look outside the incident; a file or a rank folder
+that is a link leading out of the incident is refused (``inside``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ REQUIRED_FILES = (STATE, RNG, EVENTS, ENVIRONMENT)  # batches.pt only with captu
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TAMPERED = "tampered or truncated; nothing was loaded (copy the incident again from where it was written)"
 _FIELD_TYPES = {"incident": str, "step": int, "world_size": int, "first_event": dict, "ranks": list,
-                "capture_batch": bool, "sharded": (str, type(None)), "replay": (dict, type(None))}
+                "capture_batch": bool, "sharded": (str, type(None)), "replay": (dict, type(None)),
+                "notes": (dict, type(None))}
 
 
 def rank_folder(rank: int) -> str:
@@ -73,9 +75,28 @@ def build_manifest(incident_dir: str, *, world_size: int, step: int, first_event
     }
 
 
+def inside(incident_dir: str, path: str) -> None:
+    """IncidentError when ``path``, its links followed, lies outside the incident folder (a link
+    planted in a copied or crafted folder): a reader never looks outside the incident."""
+    base = os.path.realpath(incident_dir)
+    real = os.path.realpath(path)
+    if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise IncidentError(path, f"is a link to {real!r}, outside the incident folder; the folder was damaged "
+                                  "or crafted, and nanguard reads nothing outside it: nothing was loaded "
+                                  "(copy the incident again, without links)")
+
+
+def valid_entry(entry: Any) -> bool:
+    """Whether a manifest's entry for a file gives its size and sha256."""
+    return (isinstance(entry, Mapping) and type(entry.get("size")) is int and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"]) is not None)
+
+
 def verify_file(incident_dir: str, relpath: str, expected: Mapping[str, Any], *, hashes: bool) -> None:
-    """Checks that a listed file is on disk with its listed size (and sha256, with ``hashes``)."""
+    """Checks that a listed file is on disk, inside the incident, with its listed size (and
+    sha256, with ``hashes``)."""
     path = os.path.join(incident_dir, relpath)
+    inside(incident_dir, path)
     if not os.path.isfile(path):
         raise IncidentError(path, "missing: listed in the manifest but not on disk (deleted, or the incident "
                                   "was copied in part); copy the whole folder again")
@@ -103,8 +124,7 @@ def _check_record(manifest_path: str, record: Any, rank: int, capture_batch: boo
         # only our own file names: a manifest must not make us read outside the incident
         if relpath not in allowed:
             raise bad(f"lists an unexpected file {relpath!r}")
-        if (not isinstance(entry, Mapping) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"])):
+        if not valid_entry(entry):
             raise bad(f"has no valid size and sha256 for {relpath}")
     required = REQUIRED_FILES + ((BATCHES,) if capture_batch else ())
     for name in required:
@@ -129,9 +149,13 @@ def _check_structure(path: str, manifest: Any) -> list[dict[str, Any]]:
         if not isinstance(manifest.get(key), kind) or (kind is int and isinstance(manifest[key], bool)):
             raise IncidentError(path, f"field {key!r} is missing or has the wrong type; "
                                       "the manifest is damaged")
+    if manifest["step"] < 0:
+        raise IncidentError(path, f"field 'step' is {manifest['step']}, not a step number; the manifest is damaged")
     world_size = manifest["world_size"]
     ranks = [r.get("rank") if isinstance(r, Mapping) else None for r in manifest["ranks"]]
-    if world_size < 1 or ranks != list(range(world_size)):
+    # the lengths first: a huge world size must not build its list of ranks
+    if (world_size < 1 or len(ranks) != world_size or any(type(r) is not int for r in ranks)
+            or ranks != list(range(world_size))):
         raise IncidentError(path, f"lists ranks {ranks} for a world size of {world_size}; every rank must "
                                   "appear once (did a rank's record not reach rank 0?)")
     try:
@@ -144,6 +168,9 @@ def _check_structure(path: str, manifest: Any) -> list[dict[str, Any]]:
     if replay is not None and (replay.get("file") != REPLAY or replay.get("verdict") not in VERDICTS):
         raise IncidentError(path, "field 'replay' does not point at replay.json with a known verdict; "
                                   "the manifest is damaged")
+    if replay is not None and not valid_entry(replay):
+        raise IncidentError(path, f"field 'replay' has no valid size and sha256 for {REPLAY}; "
+                                  "the manifest is damaged or was written by other software")
     return records
 
 
@@ -153,6 +180,7 @@ def check_manifest(incident_dir: str, manifest: Any, *, hashes: bool) -> None:
     # all structure first, then the disk: nothing is read before the manifest is known to be sane
     for k, files in enumerate(records):
         rank_dir = os.path.join(incident_dir, rank_folder(k))
+        inside(incident_dir, rank_dir)
         if not os.path.isdir(rank_dir):
             raise IncidentError(rank_dir, f"missing: the manifest lists rank {k} but its folder is not there "
                                           "(deleted, or the incident was copied in part)")

@@ -17,6 +17,7 @@ from ..errors import IncidentError
 from ..events import Event
 from ..replay.render import detail_lines, trace_lines
 from . import flight
+from .._text import printable
 from .fsio import plain
 from .manifest import FLIGHT
 from .reader import Incident, read_incident
@@ -137,7 +138,8 @@ def summary(incident: Incident) -> str:
         files = ", ".join(f"{path.split('/', 1)[1]} {_size(entry['size'])}"
                           for path, entry in r["files"].items())
         lines.append(f"rank {r['rank']:<7} {files}")
-    return "\n".join(lines)
+    # every line holds what a folder, maybe crafted, says: nothing in it may act on the terminal
+    return "\n".join(printable(line) for line in lines)
 
 
 def flight_lines(incident: Incident) -> list[str]:
@@ -187,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         incident = read_incident(args.dir)
         text = json.dumps(as_json(incident), allow_nan=False) if args.json else summary(incident)
     except IncidentError as err:
-        print(f"nanguard inspect: {err.path}: {err.reason}", file=sys.stderr)
+        print(f"nanguard inspect: {printable(err.path)}: {printable(err.reason)}", file=sys.stderr)
         return 2
     print(text)
     problem = _plot(incident, args.plot) if args.plot else None
     if problem is not None:
-        print(f"nanguard inspect: {problem}", file=sys.stderr)
+        print(f"nanguard inspect: {printable(problem)}", file=sys.stderr)
         return 1
     if args.plot and not args.json:
         print(f"{'plot':<{_LABEL}}{args.plot}")

@@ -72,6 +72,16 @@ def rng_record(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     return record
 
 
+def _numpy_state(state: Mapping[str, Any], numpy: Any) -> dict[str, Any]:
+    """numpy's state as ``numpy.random.set_state`` takes it, from its record in rng.pt."""
+    return {
+        "bit_generator": state["bit_generator"],
+        "state": {"key": state["key"].numpy().astype(numpy.uint32), "pos": state["pos"]},
+        "has_gauss": state["has_gauss"],
+        "gauss": state["gauss"],
+    }
+
+
 def rng_restore(snapshot: Mapping[str, Any]) -> list[str]:
     """Puts back the states of ``rng_snapshot()``; returns notes on what could not be restored.
 
@@ -88,12 +98,7 @@ def rng_restore(snapshot: Mapping[str, Any]) -> list[str]:
         if numpy is None:
             notes.append("numpy's random state was not restored: numpy is not installed here")
         else:
-            numpy.random.set_state({
-                "bit_generator": state["bit_generator"],
-                "state": {"key": state["key"].numpy().astype(numpy.uint32), "pos": state["pos"]},
-                "has_gauss": state["has_gauss"],
-                "gauss": state["gauss"],
-            })
+            numpy.random.set_state(_numpy_state(state, numpy))
     cuda = snapshot.get("cuda") or []
     if cuda:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -104,3 +109,34 @@ def rng_restore(snapshot: Mapping[str, Any]) -> list[str]:
                          f"not restored: this machine has {available} GPU(s); random numbers drawn "
                          "on those devices will differ from the original run")
     return notes
+
+
+def check_record(record: Any) -> str | None:
+    """What is wrong with an rng.pt's content (``rng_record``'s form), or None when
+    ``rng_restore`` can put it back: each state is tried on a scratch generator, none of this
+    process's states changes."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("torch"), torch.Tensor):
+        return "it is not a record of random states with torch's"
+    try:
+        if record.get("python") is not None:
+            random.Random().setstate(record["python"])
+        torch.Generator().set_state(record["torch"])
+    except Exception as exc:  # noqa: BLE001 (whatever a crafted state makes a generator raise)
+        return f"a random state does not fit its generator ({exc})"
+    state = record.get("numpy")
+    if state is not None and not (isinstance(state, Mapping) and isinstance(state.get("bit_generator"), str)
+                                  and isinstance(state.get("key"), torch.Tensor)
+                                  and all(type(state.get(k)) is int for k in ("pos", "has_gauss"))
+                                  and type(state.get("gauss")) is float):
+        return "numpy's random state is not as nanguard writes it"
+    numpy = optional_numpy()
+    if state is not None and numpy is not None:
+        try:
+            numpy.random.RandomState().set_state(_numpy_state(state, numpy))
+        except Exception as exc:  # noqa: BLE001
+            return f"numpy's random state does not fit its generator ({exc})"
+    cuda = record.get("cuda")
+    cuda = [] if cuda is None else cuda
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
+        return "the CUDA random states are not a list of byte tensors"
+    return None

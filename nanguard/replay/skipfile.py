@@ -12,12 +12,12 @@ The file is data from disk: every field is checked before it is used, and nothin
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import IncidentError
+from ..incident.fsio import read_json
 
 SKIP = "skip.json"
 FORMAT = "nanguard-skip"
@@ -55,12 +55,12 @@ def _read(path: str) -> dict[str, Any]:
                                       " says what its search found; name the key that holds sample ids with"
                                       " NANGUARD_SAMPLE_ID_KEY and replay again)")
     try:
-        if os.path.getsize(path) > _MAX_BYTES:
-            raise IncidentError(path, f"is larger than {_MAX_BYTES >> 20} MiB: not a skip file nanguard wrote")
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
+        size = os.path.getsize(path)
+    except OSError as exc:
         raise IncidentError(path, f"could not be read as a skip file ({exc})") from exc
+    if size > _MAX_BYTES:
+        raise IncidentError(path, f"is larger than {_MAX_BYTES >> 20} MiB: not a skip file nanguard wrote")
+    data = read_json(path, "could not be read as a skip file", "nothing was read")
     problem = _problem(data)
     if problem is not None:
         raise IncidentError(path, f"is not a skip file nanguard wrote ({problem}); nothing was read")
