@@ -23,7 +23,8 @@ from ..incident.fsio import write_json
 from ..rank import forensics
 from ..rank.detector import skipped
 from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, dtensor, is_wrapper,
-                            non_persistent_buffers, plain_names, type_name, untraced, unwrap, within)
+                            local_optimizer, non_persistent_buffers, plain_names, type_name, untraced, unwrap,
+                            within)
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
@@ -122,7 +123,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extr
                    path: str) -> str | None:
     """Load an incident's optimizer state into ``optimizer`` when it holds the parameters the
     captured one held (by their ``names``; an incident from before they were kept: any); else a
-    note of why not. IncidentError, nothing loaded, when it holds them but the state does not fit."""
+    note of why not. IncidentError, nothing loaded, when it holds them but the state does not fit.
+    A ZeroRedundancyOptimizer's state is its local optimizer's (this rank's shard: ``local_optimizer``)."""
+    optimizer = local_optimizer(optimizer)
     held = _optimizer_params(extra, path)
     have = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
     if held is not None and held != have:
@@ -211,6 +214,8 @@ class Replay(StepObserver):
         self.world = world
         self.settings = settings
         self.device = devices.parse(settings.replay_device)
+        # the whole incident is checked before anything changes: the report reads this after the step
+        incident.environment(incident.first_event.rank)
         self.state = incident.rank_state(self.rank)
         _refuse_a_later_optimizer(self.state.get("extra"), self._state_path)
         self.notes: list[str] = [part.note] if part.note else []

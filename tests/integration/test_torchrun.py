@@ -276,6 +276,12 @@ def test_zero_redundancy_optimizer_stops_before_the_update_and_each_rank_saves_i
     shards = [incident.rank_state(rank)["optimizer"]["state"] for rank in (0, 1)]
     # every parameter's state is in one rank's shard (the model has no buffers)
     assert all(shards) and sum(len(s) for s in shards) == len(incident.rank_state(0)["model"])
+    # each rank's replay loads its own shard into its local optimizer; the script's fault, armed
+    # again at the replayed step (its loop's first), brings the NaN back
+    _, report = replay_job(torchrun, results[0]["error"]["incident"], "--zero", "--fault", "backward",
+                           "--fault-rank", "1", "--fault-step", "0", "--steps", "5")
+    assert report["verdict"] == "reproducible", report["message"]
+    assert not any("optimizer state" in note and "not loaded" in note for note in report.get("notes", [])), report
 
 
 @pytest.mark.timeout(180)
