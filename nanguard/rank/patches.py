@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wrap_closure(args: tuple, kwargs: dict, after: Callable[[bool], None]) -> tuple[tuple, dict] | None:
+def wrap_closure(args: tuple, kwargs: dict, after: Callable[[bool, Any], Any]) -> tuple[tuple, dict] | None:
     """The arguments of an optimizer step pre-hook (``args`` holds the optimizer first) with the
-    closure replaced by one that calls ``after(first)`` once it has run; None without a closure.
+    closure replaced by one that calls ``after(first, loss)`` once it has run and returns what that
+    returns (the loss, or what the optimizer is to get instead); None without a closure.
 
     LBFGS calls the closure several times in one step: ``first`` is True only the first time.
     """
@@ -27,8 +28,7 @@ def wrap_closure(args: tuple, kwargs: dict, after: Callable[[bool], None]) -> tu
         nonlocal first
         loss = closure()
         count, first = first, False
-        after(count)
-        return loss
+        return after(count, loss)
 
     if "closure" in kwargs:
         return args, {**kwargs, "closure": guarded_closure}

@@ -26,7 +26,10 @@ log = logging.getLogger("nanguard")
 class Rewind:
     """The parameters and the state of ``optimizer`` as they are now."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, loss: Any = None):
+        self.loss = loss.detach().clone() if isinstance(loss, torch.Tensor) else loss
+        """the closure's first loss, the step's start's: what the optimizer gets once a later call is skipped"""
+        self.restored = False
         with torch.no_grad():
             self._params = [(p, p.detach().clone()) for p in params(optimizer)]
             self._state = {p: {k: _copied(v) for k, v in s.items()} for p, s in optimizer.state.items()}
@@ -34,6 +37,7 @@ class Rewind:
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
         """Put them back, in place where the optimizer's step still holds them (its history lists,
         tensors it updates in place), so that a step that goes on after this keeps them."""
+        self.restored = True
         with torch.no_grad():
             for param, saved in self._params:
                 param.copy_(saved)
@@ -60,10 +64,13 @@ def closure_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, wr
     """The step's arguments with its closure wrapped (``wrap``: ``patches.wrap_closure``) to call
     ``decide(first, rewind)`` after each call: ``rewind`` is the state as the step began, for a
     later call of an optimizer that calls its closure several times (LBFGS, or one seen to, in
-    ``several``). None without a closure."""
+    ``several``). A later call whose step is skipped hands the optimizer the first call's loss,
+    with the gradients gone: its line search goes on from finite values (a NaN loss breaks
+    LBFGS's strong-Wolfe search), and what it does is put back when the step ends. None without
+    a closure."""
     rewind: Rewind | None = None
 
-    def after(first: bool) -> None:
+    def after(first: bool, loss: Any) -> Any:
         nonlocal rewind
         if not first and rewind is None and optimizer not in several:
             several.add(optimizer)  # from its next step on, a snapshot is taken
@@ -72,7 +79,8 @@ def closure_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, wr
                         " step on", type(optimizer).__name__)
         decide(first, None if first else rewind)
         if first and (isinstance(optimizer, torch.optim.LBFGS) or optimizer in several):
-            rewind = Rewind(optimizer)
+            rewind = Rewind(optimizer, loss)
+        return rewind.loss if not first and rewind is not None and rewind.restored else loss
 
     return wrap(args, kwargs, after)
 

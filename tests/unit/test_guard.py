@@ -763,15 +763,18 @@ def test_step_with_a_closure_is_decided_after_the_closure(make_optimizer):
             assert torch.equal(value, saved[name]), f"{name} was updated by the bad step"
 
 
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
 @pytest.mark.parametrize("on_nan", ["raise", "skip"])
-def test_a_closure_that_goes_bad_in_a_later_call_leaves_the_step_as_it_began(on_nan, tmp_path):
+def test_a_closure_that_goes_bad_in_a_later_call_leaves_the_step_as_it_began(on_nan, line_search, tmp_path):
     # LBFGS updates the weights between the calls of its closure: a NaN in the second call comes
-    # after an update of the very step that is not taken; it, and the optimizer's state, go back
+    # after an update of the very step that is not taken; it, and the optimizer's state, go back.
+    # Skipped inside a strong-Wolfe line search, the search goes on from finite values (a NaN loss
+    # broke it: IndexError) and the step ends as it began
     from nanguard.incident import read_incident
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, line_search_fn=line_search)
     with nanguard.init(model, optimizer, on_nan=on_nan, dir=str(tmp_path), capture=True) as guard:
         with contextlib.suppress(nanguard.NonFiniteError):
             for step in range(6):
@@ -790,7 +793,7 @@ def test_a_closure_that_goes_bad_in_a_later_call_leaves_the_step_as_it_began(on_
                 optimizer.step(closure)
                 if step == 3:
                     break
-        assert step == 3 and len(calls) == 2 and [e.step for e in guard.events] == [3]
+        assert step == 3 and len(calls) >= 2 and {e.step for e in guard.events} == {3}
         for name, value in model.state_dict().items():
             assert torch.equal(value, weights[name]), f"{name} kept an update of the bad step"
         now = optimizer.state_dict()["state"]
