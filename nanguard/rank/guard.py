@@ -73,7 +73,7 @@ class Guard:
         self._reporter = reporter
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
-                                  lambda: models_to_save(self._roots),
+                                  lambda: models_to_save(self._roots, self._detector.catalog),
                                   lambda model: step_inputs(self._detector, model, self._rng),
                                   self._detector.catalog.param_name, self._detector.buffers)
         self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)

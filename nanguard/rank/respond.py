@@ -24,15 +24,16 @@ from ..protocol import OBSERVED
 from . import forensics
 from .buffers import Buffers
 from .decision import params
-from .rewind import Rewind
 from .detector import Detector
-from .fed import as_fed
 from .diagnose import Finding
+from .fed import as_fed
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, local_optimizer,
                       non_persistent_buffers, sharding, unwrap)
+from .records import Catalog
 from .reporter import Reporter
+from .rewind import Rewind
 
 log = logging.getLogger("nanguard")
 
@@ -267,10 +268,24 @@ def _exact_norm(param: torch.Tensor, norm: float) -> float:
     return float(torch.linalg.vector_norm(forensics.stored(forensics.plain(grad)).double()))
 
 
-def models_to_save(roots: list[tuple[Callable[[], nn.Module | None], str]]) -> list[tuple[str, nn.Module]]:
+def models_to_save(roots: list[tuple[Callable[[], nn.Module | None], str]], catalog: Catalog | None = None
+                   ) -> list[tuple[str, nn.Module]]:
     """(prefix, root) of the roots with parameters still alive, in the order they were attached:
-    the models an incident saves (the first one's batches and weights where one model is read)."""
-    return [(name, m) for ref, name in roots if (m := ref()) is not None and next(m.parameters(), None) is not None]
+    the models an incident saves (the first one's batches and weights where one model is read).
+    When every root is gone but modules of theirs live on (the script took the model a wrapper
+    held: PEFT's ``merge_and_unload()``), the outermost of those, as ``catalog`` names them."""
+    alive = [(name, m) for ref, name in roots if (m := ref()) is not None and next(m.parameters(), None) is not None]
+    if alive or catalog is None:
+        return alive
+    live = [(slot.name.count("."), len(slot.name), slot.name, m) for slot in catalog.slots
+            if (m := slot.module()) is not None and next(m.parameters(), None) is not None]
+    if not live:
+        return []
+    outermost = min(live, key=lambda entry: entry[:2])
+    log.warning("nanguard: the model given to nanguard.init is gone (the script went on with a model it held:"
+                " a wrapper's merge_and_unload(), say): the incident holds the weights of %s, the outermost of"
+                " its modules still alive", outermost[2] or "the model")
+    return [("", outermost[3])]
 
 
 def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None

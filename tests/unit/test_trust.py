@@ -1660,9 +1660,15 @@ class Holder(nn.Module):
         return self.model(x)
 
 
-def test_a_layer_moved_back_into_its_place_is_renamed_when_the_script_calls_the_inner_model():
+@pytest.mark.parametrize("keep", [True, False], ids=["wrapper kept", "wrapper let go"])
+def test_a_layer_moved_back_into_its_place_is_renamed_when_the_script_calls_the_inner_model(keep):
     # as PEFT's merge_and_unload(): the adapter's base layer is put back in its place, and the
-    # script trains the model the wrapper held, called directly: the guarded root runs no forward
+    # script trains the model the wrapper held, called directly: the guarded root runs no forward.
+    # Once the wrapper is let go (model = model.merge_and_unload()), the incident saves that model
+    import gc
+
+    from nanguard.incident import read_incident
+
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     inner[0] = LoRA(inner[0])
@@ -1672,17 +1678,25 @@ def test_a_layer_moved_back_into_its_place_is_renamed_when_the_script_calls_the_
         wrapper(torch.randn(5, 4)).sum().backward()
         optimizer.step()
         inner[0] = inner[0].base.requires_grad_(True)  # merged: the base layer is the layer again
+        if not keep:
+            del wrapper
+            gc.collect()
         optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
         with pytest.raises(nanguard.NonFiniteError) as info:
             for step in range(1, 4):
                 with torch.no_grad():
                     inner[0].weight[0, 0] = math.nan if step == 2 else inner[0].weight[0, 0]
+                before = {name: value.clone() for name, value in inner.state_dict().items()}
                 inner(torch.randn(5, 4)).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()
     event = info.value.event
     assert (event.kind, event.layer, event.step) == ("forward", "model.0", 2), event
     assert "its parameter(s) weight are non-finite" in event.message
+    saved = read_incident(info.value.incident).rank_state(0)["model"]
+    expected = {f"model.{name}": value for name, value in before.items()} if keep else before
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k].nan_to_num(), v.nan_to_num()) for k, v in expected.items())
 
 
 def test_a_step_the_script_drops_after_its_backward_pass_is_not_stopped_a_step_later():
