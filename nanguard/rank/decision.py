@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 
 _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks (no DDP bucket or FSDP2"
-                    " reduce-scatter was watched: a communication hook registered before init, a collective"
+                    " reduce-scatter was watched: a communication hook registered before nanguard's own (before"
+                    " init, or on a DDP made after init, before its first forward), a collective"
                     " inside the model such as tensor parallelism's all_reduce, gradients all-reduced by hand),"
                     " and a sum can give every rank the same values before they are read: the rank named is the"
                     " lowest that held them as its backward pass left them, the one where they were born is not"
@@ -106,11 +107,15 @@ class StepClock:
 
     def follow(self, optimizer: torch.optim.Optimizer) -> bool:
         """Another model's optimizer stepped, in a guard with none of its own: the steps are counted
-        as its steps count them, while a forward's end still decides. True when it counted."""
-        seen, stepped = self.optimizer_seen, self.stepped
+        as its steps count them, while a forward's end still decides. True when it counted. Where
+        others stepped after the primary in the last step (a GAN's generator after its critic), the
+        forwards between the primary's step and theirs belong to the step the primary's began."""
+        seen, stepped, others = self.optimizer_seen, self.stepped, len(self.others)
         counted = self.begin(optimizer, True)
         self.end(counted)
         self.optimizer_seen, self.stepped = seen, stepped
+        if counted and others:
+            self.index = self.step - 1
         return counted
 
 

@@ -1602,6 +1602,31 @@ def test_a_guard_without_an_optimizer_counts_the_steps_and_micro_batches_of_the_
     assert other.step == 4 and all(torch.isfinite(p).all() for p in student.parameters())
 
 
+def test_a_guard_without_an_optimizer_beside_a_gan_dates_the_generators_half_to_its_step():
+    # a critic's step, then the generator's, with a forward between them: a teacher's NaN in the
+    # generator's half of step 3 is at step 3, as the GAN's own guard counts it
+    torch.manual_seed(0)
+    generator, critic = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 1))
+    teacher = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).requires_grad_(False)
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, critic))
+    models = nn.ModuleDict({"generator": generator, "critic": critic})
+    with nanguard.init(models, [opt_d, opt_g]), nanguard.init(teacher):
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(6):
+                critic(generator(torch.randn(5, 4)).detach()).mean().backward()
+                opt_d.step()
+                opt_d.zero_grad()
+                if step == 3:
+                    with torch.no_grad():
+                        teacher[2].weight[0, 0] = math.nan
+                fake = generator(torch.randn(5, 4))
+                (critic(fake).mean() + (fake - teacher(fake)).pow(2).mean()).backward()
+                opt_g.step()
+                opt_g.zero_grad()
+                opt_d.zero_grad()
+    assert (info.value.event.layer, info.value.event.step) == ("2", 3), info.value.event
+
+
 class LoRA(nn.Module):
     """A frozen base Linear and a trainable low-rank update, added to a model after init."""
 
