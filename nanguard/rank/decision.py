@@ -44,6 +44,9 @@ _UNWATCHED_RANKS = ("no rank's own gradients were seen before a sum across ranks
                     " lowest that held them as its backward pass left them, the one where they were born is not"
                     " known")
 _EVALUATED = "in a forward with autograd off {} (an evaluation, not a training step: training goes on)"
+_ASIDE = ("a forward with autograd off before this step's training forward made a non-finite value too (in {},"
+          " reported as an evaluation): if the loss took a value from it (a teacher's targets"
+          " computed under no_grad), the NaN came from there")
 _UNPROPAGATED = ("in a forward whose output was never backpropagated before the optimizer step (the script"
                  " dropped it: its own check of the loss, say), so no update came from it: training goes on")
 _DROPPED = ("in a step the script dropped after its backward pass (its gradients were zeroed without an"
@@ -275,6 +278,9 @@ class Decider:
         self.respond = respond
         self.observer = observer
         self._early: diagnose.Finding | None = None
+        self._aside: Event | None = None
+        """a bad value of a forward with autograd off settled apart as the step's first training forward
+        began (a teacher's targets, computed under no_grad): a loss made of it is told so"""
         """a bad step found by settle_early(), waiting for the next decision"""
         self._bad_at: int | None = None
         """the index of the last step found bad (its other optimizers' steps are that step's)"""
@@ -294,7 +300,9 @@ class Decider:
             elif reading.bad:
                 step = self.clock.step
                 when = f"after optimizer step {step - 1}" if step else "before any optimizer step"
-                self._settle_apart(reading, _EVALUATED.format(when) if apart == "evaluation" else _DROPPED)
+                finding = self._settle_apart(reading, _EVALUATED.format(when) if apart == "evaluation" else _DROPPED)
+                if apart == "evaluation" and finding is not None:
+                    self._aside = finding.event
         self.detector.reset()
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)
@@ -317,14 +325,15 @@ class Decider:
             self._settle_apart(reading, _UNPROPAGATED)
             reading.bad = False
 
-    def _settle_apart(self, reading: Reading, why: str) -> None:
+    def _settle_apart(self, reading: Reading, why: str) -> Finding | None:
         """Report the first bad value of forwards of no training step (``why`` says which), without
-        acting on it."""
+        acting on it; returns it."""
         finding = self._diagnose(reading)
         if finding is not None:
             finding.event.micro_batch = None  # (not a micro-batch of a training step)
             finding.event.message = "; ".join(filter(None, (why, finding.event.message)))
             self.respond.observed(finding)
+        return finding
 
     def _take_early(self) -> diagnose.Finding:
         finding, self._early = self._early, None
@@ -394,6 +403,10 @@ class Decider:
         grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
         local = self._take_early() if self._early is not None else self._diagnose(
             reading, owners, grads, written, later)
+        aside, self._aside = self._aside, None
+        if local is not None and aside is not None and local.event.kind in ("grad", "loss"):
+            local.event.message = "; ".join(filter(None, (local.event.message, _ASIDE.format(
+                aside.layer or "the model"))))
         first = agree(collectives, local)
         several = collectives is not None and collectives.world_size > 1
         if first is not None and several and first.event.kind in ("grad", "loss") and (
@@ -453,6 +466,7 @@ class Decider:
     def _report_step(self, stop: bool) -> None:
         """The coordinator hears of the step, and a stop requested here or on any rank is raised
         (every rank takes this decision at the same step: ``stop`` was all-reduced)."""
+        self._aside = None  # (of this step only)
         self.respond.reporter.heartbeat(self.clock.index, self.respond.last_step_time, self.respond.last_grad_norm)
         if stop:
             self.respond.stop(self.clock.index)

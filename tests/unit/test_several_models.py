@@ -601,3 +601,35 @@ def test_the_names_of_freed_parameters_are_forgotten():
     del param
     gc.collect()
     assert not catalog.param_names and not catalog.param_holders
+
+
+def test_a_teachers_nan_under_no_grad_is_told_beside_the_loss_it_made():
+    # distillation under a bare init(): the teacher runs under no_grad, so its forward is settled
+    # apart as an evaluation; the loss made of its NaN targets says where they may have come from
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5)).requires_grad_(False)
+    student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with nanguard.init() as guard:
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            for step in range(5):
+                if step == 1:  # a validation pass with a NaN input: of no step, told of nowhere else
+                    with torch.no_grad():
+                        student(torch.full((2, 8), math.nan))
+                x = torch.randn(4, 8)
+                if step == 3:
+                    with torch.no_grad():
+                        teacher[2].weight[0, 0] = math.nan
+                with torch.no_grad():
+                    target = teacher(x).softmax(-1)
+                logits = student(x)
+                nn.functional.kl_div(logits.log_softmax(-1), target, reduction="batchmean").backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = info.value.event
+    assert event.step == 3 and event.kind in ("loss", "grad"), event
+    assert "a forward with autograd off before this step's training forward made a non-finite value too" \
+           " (in 2," in event.message, event.message
+    evaluations = [e for e in guard.events if e.step == 1]
+    assert evaluations and all("autograd off" in e.message for e in evaluations)
+    assert all(torch.isfinite(p).all() for p in student.parameters())
