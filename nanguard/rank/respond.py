@@ -30,7 +30,7 @@ from .fed import as_fed
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, local_optimizer,
-                      non_persistent_buffers, sharding, unwrap)
+                      non_persistent_buffers, sharding, unwrap, within)
 from .records import Catalog
 from .reporter import Reporter
 from .rewind import Rewind
@@ -272,20 +272,22 @@ def models_to_save(roots: list[tuple[Callable[[], nn.Module | None], str]], cata
                    ) -> list[tuple[str, nn.Module]]:
     """(prefix, root) of the roots with parameters still alive, in the order they were attached:
     the models an incident saves (the first one's batches and weights where one model is read).
-    When every root is gone but modules of theirs live on (the script took the model a wrapper
-    held: PEFT's ``merge_and_unload()``), the outermost of those, as ``catalog`` names them."""
+    When every root is gone but one module of theirs lives on that holds the others still alive
+    (the script took the model a wrapper held: PEFT's ``merge_and_unload()``), that one, as
+    ``catalog`` names it; never one of several (a container's models: saving one would be a part)."""
     alive = [(name, m) for ref, name in roots if (m := ref()) is not None and next(m.parameters(), None) is not None]
     if alive or catalog is None:
         return alive
-    live = [(slot.name.count("."), len(slot.name), slot.name, m) for slot in catalog.slots
-            if (m := slot.module()) is not None and next(m.parameters(), None) is not None]
-    if not live:
+    live = sorted(((slot.name.count("."), slot.name, m) for slot in catalog.slots
+                   if (m := slot.module()) is not None and next(m.parameters(), None) is not None),
+                  key=lambda entry: entry[0])
+    if not live or not all(within(name, live[0][1]) for _, name, _ in live):
         return []
-    outermost = min(live, key=lambda entry: entry[:2])
+    outermost = live[0][1:]
     log.warning("nanguard: the model given to nanguard.init is gone (the script went on with a model it held:"
                 " a wrapper's merge_and_unload(), say): the incident holds the weights of %s, the outermost of"
-                " its modules still alive", outermost[2] or "the model")
-    return [("", outermost[3])]
+                " its modules still alive", outermost[0] or "the model")
+    return [("", outermost[1])]
 
 
 def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None
