@@ -3,8 +3,11 @@
 On a shared 2-core machine two runs of identical code differ by about 5% in wall time, which is
 as large as the differences worth knowing here. valgrind's callgrind counts the instructions a
 process executes instead, which the rest of the machine does not change; what does move the count,
-by about 2% per step, is where garbage collection and lazy initialisation fall: run twice, and
-trust a difference that keeps its sign.
+by about 2% per step, is where garbage collection and lazy initialisation fall. The warm-up takes
+the second; for the first, the objects made before the counted steps are frozen (``gc.freeze``),
+so that a full collection over torch's heap, whose place depends on how many objects a checkout's
+imports made, no longer lands in one checkout's counted steps and not in another's (it moved the
+per-step count of identical hot paths by up to 3%).
 Each variant runs twice under callgrind, with K and with K+N training steps after the same
 warm-up; the difference divided by N is what one step costs, import and set-up cancelling out.
 
@@ -31,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 STEPS_SCRIPT = r'''
 import sys
+import gc
 benchmarks, repo, variant, model, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 sys.path.insert(0, benchmarks)
 import torch
@@ -44,7 +48,14 @@ import nanguard
 assert nanguard.__file__.startswith(repo), nanguard.__file__
 overhead.nanguard = nanguard
 runner = overhead.Runner(overhead.MODELS[model], overhead.VARIANTS[variant], torch.device("cpu"))
-for _ in range(3 + steps):  # 3 warm-up steps: lazy initialisation is in both runs and cancels
+for _ in range(3):  # warm-up steps: lazy initialisation is in both runs and cancels
+    runner.step()
+# the objects made so far (torch's, the imports') leave the collector's generations: otherwise a
+# full collection, whose cost grows with them, falls inside the counted steps in one checkout and
+# outside them in another, as the imports happened to leave the collector's counters
+gc.collect()
+gc.freeze()
+for _ in range(steps):
     runner.step()
 '''
 
