@@ -10,6 +10,7 @@ also leaves out of it the time the process did not run.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -31,10 +32,11 @@ class Instant(NamedTuple):
 
 
 def require_positive(**seconds: float) -> None:
-    """Raise ValueError naming the first argument that is not a positive number of seconds."""
+    """Raise ValueError naming the first argument that is not a positive number of seconds (finite:
+    a rank silent for ever must still count as dead)."""
     for name, value in seconds.items():
-        if not value > 0:
-            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds (finite)")
 
 
 class LoopClock:

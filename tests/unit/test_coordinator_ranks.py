@@ -238,7 +238,9 @@ def test_a_paused_coordinator_does_not_count_its_pause_as_silence(table, registr
     assert states(table) == {0: "alive", 1: "dead"}
 
 
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True])
 @pytest.mark.parametrize("name", ["dead_after_s", "stall_after_s"])
-def test_durations_must_be_positive(registry, name):
-    with pytest.raises(ValueError, match=f"{name}=0 must be a positive number of seconds"):
-        RankTable(Metrics(registry), **{name: 0})
+def test_durations_must_be_positive_and_finite(registry, name, value):
+    # an infinite one would never count a silent rank as dead
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be a positive number of seconds"):
+        RankTable(Metrics(registry), **{name: value})
