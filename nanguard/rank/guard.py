@@ -30,7 +30,7 @@ from .decision import Decider, StepClock
 from .detector import Detector
 from .modules import ddp_inner, unwrap_optimizer
 from .optimizers import OptimizerWatch
-from .patches import patch_scaler_update, wrap_closure
+from .patches import patch_scaler_update
 from .reporter import Reporter, connect
 from .respond import Responder, models_to_save, step_inputs
 from .rewind import Rewind, closure_step
@@ -260,7 +260,7 @@ class Guard:
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if self._closed:
             return None
-        wrapped = closure_step(optimizer, args, kwargs, wrap_closure,
+        wrapped = closure_step(optimizer, args, kwargs,
                                lambda first, rewind: self._step_decision(optimizer, first, rewind), self._several)
         if wrapped is not None:
             return wrapped  # the forward and backward run inside the step: decide after them

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .decision import params
+from .patches import wrap_closure
 
 log = logging.getLogger("nanguard")
 
@@ -58,10 +59,10 @@ class Rewind:
         handle = optimizer.register_step_post_hook(again)
 
 
-def closure_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, wrap: Callable[..., Any],
+def closure_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,
                  decide: Callable[[bool, Rewind | None], None],
                  several: weakref.WeakSet[torch.optim.Optimizer]) -> tuple[tuple, dict] | None:
-    """The step's arguments with its closure wrapped (``wrap``: ``patches.wrap_closure``) to call
+    """The step's arguments with its closure wrapped (``patches.wrap_closure``) to call
     ``decide(first, rewind)`` after each call: ``rewind`` is the state as the step began, for a
     later call of an optimizer that calls its closure several times (LBFGS, or one seen to, in
     ``several``). A later call whose step is skipped hands the optimizer the first call's loss,
@@ -82,7 +83,7 @@ def closure_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, wr
             rewind = Rewind(optimizer, loss)
         return rewind.loss if not first and rewind is not None and rewind.restored else loss
 
-    return wrap(args, kwargs, after)
+    return wrap_closure(args, kwargs, after)
 
 
 def _copied(value: Any) -> Any:
