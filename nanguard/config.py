@@ -69,12 +69,28 @@ def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
 
+def _parse_secret(text: str) -> str | None:
+    """A shared secret: its HMAC key is its UTF-8 bytes. An environment variable whose bytes are not
+    UTF-8 arrives with lone surrogates in their place (Python's ``surrogateescape``)."""
+    secret = _parse_optional_str(text)
+    if secret is not None:
+        _check_secret(secret)
+    return secret
+
+
+def _check_secret(secret: str) -> None:
+    try:
+        secret.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("it holds bytes that are not UTF-8 text (set it to ASCII or UTF-8)") from None
+
+
 def _parse_optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
 def _setting(default: Any, parse, doc: str):
-    return field(default=default, metadata={"parse": parse, "doc": doc})
+    return field(default=default, metadata={"parse": parse, "doc": doc, "secret": parse is _parse_secret})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -85,7 +101,7 @@ class Settings:
     on_nan: Policy = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
     dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
     coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
-    token: str | None = _setting(None, _parse_optional_str, "the ranks' shared secret for coordinator messages")
+    token: str | None = _setting(None, _parse_secret, "the ranks' shared secret for coordinator messages")
     curve_public_key: str | None = _setting(
         None, _parse_optional_str,
         "the coordinator's CurveZMQ public key: encrypt the link, and talk only to the coordinator holding "
@@ -152,6 +168,11 @@ class Settings:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ConfigError(f"{name}={value!r} must be a non-empty string or None")
+        if self.token is not None:
+            try:
+                _check_secret(self.token)
+            except ValueError as exc:
+                raise ConfigError(f"token: {exc}") from None
         if self.coordinator is not None:
             try:
                 parse_address(self.coordinator, label=f"coordinator={self.coordinator!r}")
@@ -232,7 +253,7 @@ class _DaemonSettings:
     a training process must not hold."""
 
     operator_token: str | None = _setting(
-        None, _parse_optional_str, "the operators' secret: stopping a job needs it; never give it to ranks"
+        None, _parse_secret, "the operators' secret: stopping a job needs it; never give it to ranks"
     )
     curve_secret_key: str | None = _setting(
         None, _parse_optional_str, "the coordinator's CurveZMQ secret key (give it to the coordinator only)"
@@ -278,4 +299,5 @@ def _from_env(f: dataclasses.Field, environ: Mapping[str, str]) -> Any:
     try:
         return f.metadata["parse"](environ[variable])
     except ValueError as exc:
-        raise ConfigError(f"{variable}={environ[variable]!r} is invalid: {exc}") from None
+        shown = variable if f.metadata["secret"] else f"{variable}={environ[variable]!r}"  # (no secret in a log)
+        raise ConfigError(f"{shown} is invalid: {exc}") from None

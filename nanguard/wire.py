@@ -198,6 +198,10 @@ def _event(value: Any) -> dict[str, Any]:
             raise ValueError(f".{name}: longer than {max_len} characters")
         if not text.isprintable():
             raise ValueError(f".{name}: control characters in {_short(text)}")
+    # free-form, and written to the coordinator's event log as received: its text printable too
+    # (as JSON, whose escapes make C0 controls printable; DEL, C1 and format controls stay raw)
+    if values.get("extra") and not json.dumps(values["extra"], ensure_ascii=False).isprintable():
+        raise ValueError(".extra: control characters in its keys or text")
     return values
 
 

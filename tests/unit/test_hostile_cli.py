@@ -352,6 +352,24 @@ def test_a_rank_escapes_its_event_text_and_the_schema_takes_it(layer, module_typ
 
 
 @PROPERTY
+@given(text=hostile_text, as_key=st.booleans())
+def test_an_event_extra_with_a_raw_control_character_is_refused(text, as_key):
+    """``extra`` reaches the coordinator's event log as received: no raw DEL, C1 or format control
+    there (C0 controls cannot be raw in JSON text; they arrive escaped and are harmless)."""
+    extra = {"nested": [{text: 1} if as_key else text]}
+    body = {"rank": 0, "job": "j", "events": [Event(kind="forward", rank=0, step=1, layer="l", extra=extra).to_dict()]}
+    payload = json.dumps(body, ensure_ascii=False)
+    raw = any(not ch.isprintable() and ord(ch) >= 0x20 for ch in text)
+    if raw:
+        with pytest.raises(ProtocolError) as refused:
+            check_body("events", json.loads(payload))
+        assert refused.value.reason == "schema" and "extra" in str(refused.value)
+    else:
+        assert check_body("events", json.loads(payload))["events"][0]["extra"] == extra
+        assert payload.isprintable()  # (what the log holds)
+
+
+@PROPERTY
 @given(run_id=st.text(max_size=300))
 def test_a_job_name_always_passes_the_hello_schema(run_id):
     check_body("hello", dict(HELLO, job=job_name(run_id)))
@@ -391,6 +409,33 @@ def test_a_bad_setting_is_a_config_error_that_names_it_and_its_value(name, value
 def test_a_token_that_is_no_string_never_reaches_the_link():
     with pytest.raises(ConfigError, match="token=123 must be a non-empty string"):
         Settings.resolve({"token": 123, "coordinator": "tcp://127.0.0.1:1"}, environ={})
+
+
+SECRET_NOT_UTF8 = "sekrit-\udcff"  # what Python makes of an environment variable holding the byte 0xff
+
+
+@pytest.mark.parametrize("name", ["token", "operator_token"])
+def test_a_secret_whose_bytes_are_not_utf8_is_refused_without_showing_it(name):
+    from nanguard.config import setting_from_env
+    with pytest.raises(ConfigError) as refused:
+        setting_from_env(name, {f"NANGUARD_{name.upper()}": SECRET_NOT_UTF8})
+    assert str(refused.value) == (f"NANGUARD_{name.upper()} is invalid: it holds bytes that are not UTF-8 text"
+                                  " (set it to ASCII or UTF-8)")
+    if name == "token":
+        with pytest.raises(ConfigError, match="^token: it holds bytes that are not UTF-8") as refused:
+            Settings.resolve({"token": SECRET_NOT_UTF8}, environ={})
+        assert "sekrit" not in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, variable", [
+    (["status", "--coordinator", "tcp://127.0.0.1:9", "--timeout-s", "1"], "NANGUARD_TOKEN"),
+    (["stop", "--coordinator", "tcp://127.0.0.1:9", "--timeout-s", "1", "--reason", "x"], "NANGUARD_OPERATOR_TOKEN"),
+    (["coordinator", "--bind", "tcp://127.0.0.1:0", "--metrics-port", "0"], "NANGUARD_OPERATOR_TOKEN"),
+])
+def test_the_commands_refuse_a_secret_that_is_not_utf8_on_one_line(argv, variable):
+    err = assert_one_line_refusal(nanguard(*argv, env={variable: SECRET_NOT_UTF8}, timeout=30),
+                                  f"{variable} is invalid: it holds bytes that are not UTF-8 text")
+    assert "sekrit" not in err
 
 
 def test_a_coordinator_that_is_no_string_reads_plainly():
