@@ -144,6 +144,53 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extr
     return None
 
 
+def load_states(objs: dict[str, Any], saved: dict[str, Any], path: str) -> None:
+    """Load an incident's states (``saved[name]``: a GradScaler's, a scheduler's) into the script's
+    ``objs``; IncidentError, nothing loaded, when one is not of the shape of the script's own: the
+    same keys, each value of the same kind (a scheduler's ``load_state_dict`` sets whatever it is
+    given as attributes, and a wrong one would fail only at the script's next ``step()``)."""
+    own = {name: obj.state_dict() for name, obj in objs.items()}
+    for name, obj in objs.items():
+        wrong = _state_mismatch(own[name], saved[name]) if own[name] else None  # (a disabled scaler has none)
+        if wrong:
+            raise IncidentError(path, f"holds a {name} state that is not one of the script's {type(obj).__name__}"
+                                      f" ({wrong}); the incident folder is damaged or was not written by nanguard"
+                                      " for this script, and no state was loaded")
+    loaded = []
+    for name, obj in objs.items():
+        try:
+            obj.load_state_dict(saved[name])
+            loaded.append(name)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            for back in [*loaded, name]:  # (as they were: a load that failed half-way leaves nothing behind)
+                objs[back].load_state_dict(own[back])
+            raise IncidentError(path, f"holds a {name} state that does not fit the script's {type(obj).__name__}"
+                                      f" ({type(exc).__name__}: {exc}); no state was loaded") from exc
+
+
+def _state_mismatch(own: dict, saved: Any) -> str | None:
+    """How ``saved`` differs in shape from the state dict ``own``, or None."""
+    if not isinstance(saved, dict):
+        return f"a {type(saved).__name__}, not a dict"
+    keys = sorted(map(str, set(saved) - set(own)))  # (one it lacks keeps the script's value)
+    if keys:
+        return f"keys {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''} it does not have"
+    for key, value in own.items():
+        other = saved.get(key)
+        if value is None or other is None:
+            continue
+        if _kind(value) != _kind(other):
+            return f"{key} is a {type(other).__name__}, not a {type(value).__name__} like its own"
+        if isinstance(value, (list, tuple)) and len(value) != len(other):
+            return f"{key} holds {len(other)} values, not {len(value)} like its own"
+    return None
+
+
+def _kind(value: Any) -> type:
+    return next((kind for kind in (bool, (int, float), str, (list, tuple), dict, torch.Tensor)
+                 if isinstance(value, kind)), object)
+
+
 def _optimizer_params(extra: Any, path: str) -> list[str] | None:
     """The names of the captured optimizer's parameters (``OPTIMIZER_PARAMS``), or None for an
     incident from before they were kept; IncidentError for anything but a list of names."""
@@ -314,11 +361,10 @@ class Replay(StepObserver):
             if note is not None and note not in self.notes:
                 self.notes.append(note)
         extra = self.state.get("extra") or {}
-        for name, obj in states.items():  # (never NON_PERSISTENT: init's states are its scaler and such)
-            if name in extra:
-                obj.load_state_dict(extra[name])
-            else:
-                self.notes.append(f"no {name} state was captured; the script's own {name} was used")
+        # (never NON_PERSISTENT: init's states are its scaler and such)
+        load_states({name: obj for name, obj in states.items() if name in extra}, extra, self._state_path)
+        self.notes += [f"no {name} state was captured; the script's own {name} was used"
+                       for name in states if name not in extra]
 
     @property
     def _state_path(self) -> str:

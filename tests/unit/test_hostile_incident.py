@@ -263,6 +263,72 @@ def test_an_environment_that_is_not_an_object_is_refused_before_the_step(inciden
     assert err.path.endswith("rank0/environment.json") and "is not an object" in err.reason
 
 
+def scaled_and_scheduled(made: dict | None = None):
+    """A script that gives nanguard.init a GradScaler and a scheduler: (err, scaler, scheduler);
+    ``made``: where to leave them (and the scheduler's state as it was made) before training."""
+    from test_replay import data
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Sqrt(16), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if made is not None:
+        made.update(scaler=scaler, scheduler=scheduler, fresh=copy.deepcopy(scheduler.state_dict()))
+    with nanguard.init(model, optimizer, scaler=scaler, scheduler=scheduler):
+        try:
+            for step in range(20):
+                x, y = data(step)
+                scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                optimizer.zero_grad()
+        except nanguard.NonFiniteError as err:
+            return err, scaler, scheduler
+    return None, scaler, scheduler
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scheduled")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NANGUARD_DIR", str(root))
+        err = scaled_and_scheduled()[0]
+    assert err is not None
+    return err.incident
+
+
+@pytest.mark.parametrize("name, craft, expected", [
+    ("scheduler", lambda state: {**state, "optimizer": 5}, "(keys optimizer it does not have)"),
+    ("scheduler", lambda state: {**state, "base_lrs": "abc"}, "(base_lrs is a str, not a list like its own)"),
+    ("scheduler", lambda state: {**state, "base_lrs": [0.1] * 3}, "(base_lrs holds 3 values, not 1 like its own)"),
+    ("scheduler", lambda state: {**state, "last_epoch": {"a": 1}}, "(last_epoch is a dict, not a int like its own)"),
+    ("scaler", lambda state: {**state, "scale": "big"}, "(scale is a str, not a float like its own)"),
+    ("scaler", lambda state: "not a state", "(a str, not a dict)"),
+    ("scaler", lambda state: {k: v for k, v in state.items() if k != "scale"},
+     "holds a scaler state that does not fit the script's GradScaler (KeyError: 'scale')"),
+])
+def test_a_crafted_scaler_or_scheduler_state_is_refused_and_the_scripts_own_is_kept(
+        scheduled, tmp_path, monkeypatch, name, craft, expected):
+    incident = str(tmp_path / "incident")
+    shutil.copytree(scheduled, incident)
+    path = os.path.join(incident, "rank0", "state.pt")
+    state = torch.load(path, weights_only=True)
+    state["extra"][name] = craft(state["extra"][name])
+    torch.save(state, path)
+    rehash(incident)
+    monkeypatch.setenv("NANGUARD_REPLAY", incident)
+    made = {}
+    with pytest.raises(IncidentError) as info:
+        scaled_and_scheduled(made)
+    assert info.value.path == path and f"holds a {name} state that " in info.value.reason
+    assert expected in info.value.reason and "no state was loaded" in info.value.reason
+    # the script's own states, as it made them: nothing of the crafted one was set
+    assert made["scaler"].state_dict()["scale"] == 2.0**10
+    assert made["scheduler"].state_dict() == {**made["fresh"], "_last_lr": made["scheduler"].state_dict()["_last_lr"]}
+
+
 # ---------------------------------------------------------------------- the terminal
 ESC = "\x1b[2J\x1b[31mPWN\x1b[0m\r\n\x07\x9b\u202e"
 
