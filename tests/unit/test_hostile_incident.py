@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_capture import edit_manifest
-from test_replay import REPO, Sqrt, train
+from test_replay import REPO, Sqrt, scaled_and_scheduled, train
 
 import nanguard
 from nanguard.incident import IncidentError, read_incident, report
@@ -261,32 +261,6 @@ def test_an_environment_that_is_not_an_object_is_refused_before_the_step(inciden
     rehash(incident)
     err = replay_init(monkeypatch, incident)
     assert err.path.endswith("rank0/environment.json") and "is not an object" in err.reason
-
-
-def scaled_and_scheduled(made: dict | None = None):
-    """A script that gives nanguard.init a GradScaler and a scheduler: (err, scaler, scheduler);
-    ``made``: where to leave them (and the scheduler's state as it was made) before training."""
-    from test_replay import data
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Sqrt(16), torch.nn.Linear(16, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    if made is not None:
-        made.update(scaler=scaler, scheduler=scheduler, fresh=copy.deepcopy(scheduler.state_dict()))
-    with nanguard.init(model, optimizer, scaler=scaler, scheduler=scheduler):
-        try:
-            for step in range(20):
-                x, y = data(step)
-                scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-                optimizer.zero_grad()
-        except nanguard.NonFiniteError as err:
-            return err, scaler, scheduler
-    return None, scaler, scheduler
 
 
 @pytest.fixture(scope="module")

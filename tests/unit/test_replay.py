@@ -292,14 +292,17 @@ def test_bare_init_script_replays_in_a_subprocess(tmp_path):
     assert read_incident(str(incident)).replay_report()["verdict"] == "reproducible"
 
 
-def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
-    def script():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), Sqrt(16), nn.Linear(16, 4))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-        guard = nanguard.init(model, optimizer, scaler=scaler, scheduler=scheduler)
+def scaled_and_scheduled(made: dict | None = None):
+    """A script that gives nanguard.init a GradScaler and a scheduler: (err, scaler, scheduler);
+    ``made``: where to leave them (and the scheduler's state as it was made) before training."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Sqrt(16), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if made is not None:
+        made.update(scaler=scaler, scheduler=scheduler, fresh=copy.deepcopy(scheduler.state_dict()))
+    with nanguard.init(model, optimizer, scaler=scaler, scheduler=scheduler):
         try:
             for step in range(20):
                 x, y = data(step)
@@ -310,11 +313,11 @@ def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
                 optimizer.zero_grad()
         except nanguard.NonFiniteError as err:
             return err, scaler, scheduler
-        finally:
-            guard.close()
-        return None, scaler, scheduler
+    return None, scaler, scheduler
 
-    err, scaler, scheduler = script()
+
+def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
+    err, scaler, scheduler = scaled_and_scheduled()
     assert err is not None and err.event.step >= 0
     captured = read_incident(err.incident).rank_state(0)["extra"]
     assert captured["scheduler"]["last_epoch"] == err.event.step
@@ -328,7 +331,7 @@ def test_replay_loads_scaler_and_scheduler_state(monkeypatch):
 
     monkeypatch.setattr(torch.optim.lr_scheduler.StepLR, "load_state_dict", spy)
     with pytest.raises(SystemExit):
-        script()
+        scaled_and_scheduled()
     assert seen["scheduler"]["last_epoch"] == err.event.step
     assert read_incident(err.incident).replay_report()["verdict"] == "reproducible"
 
