@@ -34,6 +34,8 @@ class BackwardWatch:
         """the gradients the backward pass leaves are scaled (a GradScaler's): their norms say which are
         finite, not how large they are"""
         self._by_id: dict[int, weakref.ref] = {}
+        self._ddps: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        """the DDP wrappers whose buckets ``watch_ddp`` took on (once each)"""
         self._params: list[weakref.ref] = []
         """every parameter of the attached roots, frozen ones too (weakly: a guard keeps no model
         alive): one unfrozen later (gradual unfreezing) has its gradients read from then on"""
@@ -77,6 +79,10 @@ class BackwardWatch:
             allreduce_hook,
         )
 
+        if ddp in self._ddps:
+            return
+        self._ddps.add(ddp)
+        ddp.__dict__.pop("register_comm_hook", None)  # (``watch_new_ddp``'s)
         route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
         buckets = self.log.buckets
 
@@ -91,11 +97,27 @@ class BackwardWatch:
             route["state"], route["hook"] = state, hook
 
         try:
-            ddp.register_comm_hook(None, bucket_hook)
+            type(ddp).register_comm_hook(ddp, None, bucket_hook)
         except RuntimeError:
             return  # the user registered a hook first: no per-rank origin for backward NaNs
         ddp.register_comm_hook = register_comm_hook
         self.watches_buckets = True
+
+    def watch_new_ddp(self, ddp: nn.Module) -> None:
+        """``ddp`` is being built around a guarded model, and is watched at its first forward (its
+        reducer is not made yet). A communication hook registered on it before then (fp16
+        compression, right after it is built) would leave its buckets unwatched: its registration
+        makes ours first, then routes through it."""
+        if ddp in self._ddps:
+            return
+        ref = weakref.ref(ddp)
+
+        def register_comm_hook(state, hook):
+            wrapper = ref()
+            self.watch_ddp(wrapper)  # (replaces this function with the route to the user's hook)
+            wrapper.register_comm_hook(state, hook)
+
+        ddp.register_comm_hook = register_comm_hook
 
     def watch_fsdp(self, modules: dict[nn.Module, str]) -> None:
         """Probe each FSDP2 reduce-scatter's input (this rank's own gradients of one

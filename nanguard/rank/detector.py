@@ -416,9 +416,11 @@ def _on_registration(detector: Detector):
     def hook(parent: nn.Module, name: str, value: Any) -> None:
         if value is None:
             return
-        if parent in detector._modules or (
-                name == "module" and type(parent).__name__ == "DistributedDataParallel" and value in detector._root_slots):
-            detector.added.append((weakref.ref(parent), name))  # (a new DDP of a guarded model: its buckets)
+        if name == "module" and type(parent).__name__ == "DistributedDataParallel" and value in detector._root_slots:
+            detector.added.append((weakref.ref(parent), name))  # a new DDP of a guarded model: its buckets
+            detector.backward.watch_new_ddp(parent)
+        elif parent in detector._modules:
+            detector.added.append((weakref.ref(parent), name))
 
     return hook
 

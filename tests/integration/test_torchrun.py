@@ -236,12 +236,15 @@ def test_ddp_a_batch_every_rank_drops_before_its_backward_pass_stops_nothing(tor
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["forward", "backward"])
+@pytest.mark.parametrize("fault", ["forward", "backward", "backward-fp16-hook"])
 def test_ddp_made_again_during_training_still_names_where_the_nan_was_born(torchrun, fault):
     # at step 2 every rank wraps the model in a new DDP and lets the old one go: the new wrapper
-    # calls the guarded model, whose forwards are the micro-batches, and its buckets are watched
+    # calls the guarded model, whose forwards are the micro-batches, and its buckets are watched,
+    # also when the script registers a communication hook on it as soon as it is built (fp16
+    # compression, before its first forward: the first wrapper's, registered before init, is not)
+    fault, _, hook = fault.partition("-")
     job = torchrun.standalone("ddp_train.py", "--fault", fault, "--fault-rank", "1", "--fault-step", "4",
-                              "--rewrap-step", "2", "--steps", "6")
+                              "--rewrap-step", "2", "--steps", "6", *(["--fp16-hook"] if hook else []))
     results = job.ok(world=2)
     event = assert_common_stop(results, step=4)
     assert event["rank"] == 1, event
