@@ -94,7 +94,7 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     fields = buffer_fields(catalog, log, written, reading.buffers)
     if fields is not None:
         return Finding(make(fields))
-    fields = gradient_fields(catalog, log, owners, grads, reading.norms)
+    fields = gradient_fields(catalog, log, owners, grads, reading.norms, extremes)
     group = _first_bad_group(log, reading.buckets)
     if group is not None:  # FSDP2: where this rank's own gradients were bad, whatever its shards hold
         fields = _group_fields(catalog, log, group, fields, owners, reading.norms)
@@ -454,11 +454,13 @@ def buffer_fields(catalog: Catalog, log: StepLog, written: list[tuple[str, torch
 
 
 def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
-                    grads: list[torch.Tensor | None], norms: list[float]) -> dict[str, Any] | None:
+                    grads: list[torch.Tensor | None], norms: list[float],
+                    extremes: list[tuple[float, float] | None] = ()) -> dict[str, Any] | None:
     """Event fields of the first non-finite parameter gradient in backward order, or None.
 
     ``norms`` are the gradients' norms as the backward pass left them (the training loop may have
-    clipped or unscaled them since: a clipped NaN spreads to every gradient)."""
+    clipped or unscaled them since: a clipped NaN spreads to every gradient); ``extremes``: the
+    step's probes by record (``StepLog.extremes``)."""
     bad, order = _bad_gradients(catalog, log, owners, grads, norms)
     if not bad:
         return None  # norms that overflowed on finite gradients
@@ -473,6 +475,9 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                                     " module.compile() before a bare nanguard.init() is never seen: pass it"
                                     " to init), so whether it was born in the forward or the backward is"
                                     " unknown"}
+    hidden = _hidden_nan(catalog, log, extremes)
+    if hidden:
+        return fields | {"message": f"{counted}, this one first in backward order; {hidden}"}
     last = next(iter(order), None)  # the last module to run: the first in backward order
     if last is not None and slot == last:
         # Even the first gradients of the backward pass are bad: what entered it was.
@@ -491,6 +496,26 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                                     " is not known here: it was born in that backward pass, or came in with"
                                     " the loss's gradient"}
     return fields | {"message": f"{counted}, this one first in backward order; {_before(catalog, list(order), slot, owners, norms)}"}
+
+
+def _hidden_nan(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None]) -> str:
+    """Where a backpropagated forward of the step held a NaN that reached no module output checked
+    (an input made between modules, as evidence), as words to follow the gradients' count; "" if
+    none did. An operation can hide a NaN in its forward and not in its backward (attention over
+    NaN scores, a max, a masked select): the forward was not finite. Infinities alone are not
+    looked at: models make -inf on purpose (additive masks)."""
+    for j, pair in enumerate(extremes):
+        record = log.records[j]
+        if record.role != IN or pair is None or not (math.isnan(pair[0]) or math.isnan(pair[1])):
+            continue
+        if bisect.bisect_right(log.spans, (j, math.inf, math.inf)) - 1 in log.unpropagated:
+            continue  # (a forward the script never backpropagated)
+        name = catalog.slots[record.slot].name or "the root module"
+        return (f"the forward was not finite, though no module output checked was: the input of {name} held"
+                f" NaN, made in the forward code of {_code_between(catalog, log, extremes, j)}, and an operation"
+                " after it hid it (as attention over NaN scores, a max or a masked select can) from the outputs,"
+                " not from the backward pass: most likely the gradients took it from there")
+    return ""
 
 
 def _bad_gradients(catalog: Catalog, log: StepLog, owners: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -607,10 +632,12 @@ def _before(catalog: Catalog, order: list[int], slot: int, owners: list[torch.Te
     # sums both uses: which use made the NaN is not known
     tied = [catalog.slots[s].name for s in order[:position] if not finite.get(s, True)]
     if not finite[after]:
-        return (f"the gradient of {tied[-1]} is non-finite too, through a weight it shares with a module that ran"
-                " before it (tied), whose gradient sums both uses: the first bad gradient is this one, or"
-                f" {tied[-1]}'s, and then the loss's gradient or {tied[-1]}'s own backward made it;"
-                " guard.check(loss) shows the loss's value")
+        name = catalog.slots[after].name
+        return (f"it was born in the backward pass between the gradients of {name} and this one, or in {name}'s"
+                " own backward, or came in with the loss's gradient: the gradient of"
+                f" {name} is non-finite too, but through a weight it shares with a module that ran before it"
+                " (tied), whose gradient sums both uses, so it does not tell which; guard.check(loss) shows the"
+                " loss's value")
     text = ("the forward and the gradients of the modules that ran after it were finite"
             f"{' (but for ' + ', '.join(tied[:4]) + ', whose weight is tied to a module that ran before it)' if tied else ''},"
             " so it was born in the backward pass")

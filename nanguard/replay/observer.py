@@ -272,9 +272,11 @@ class Replay(StepObserver):
         self._handed_over = False
         """a trainer handed the batch over (``batch_given``): its training_step takes it, not the model"""
         self.own_data = False
+        """some of what the step was fed came from the script, not from the incident"""
         self.bad_state: list[str] = []
         """the model's captured tensors that were non-finite already (before the step)"""
-        """some of what the step was fed came from the script, not from the incident"""
+        self.autocast: list[tuple[str, torch.dtype]] = []
+        """the autocast regions the step's first forward ran in (the sample search runs in them too)"""
         self._others: dict[str, int] = {}
         """forwards so far of the models beside the first (a bare init()'s other roots), by prefix"""
         micro_batch = lambda name: _forward_of(self._others, self._forwards, name)  # noqa: E731
@@ -331,7 +333,7 @@ class Replay(StepObserver):
         unpersisted = _unpersisted(self.state, unwrapped, self._state_path, self.notes)
         back = devices.move(root, self.device) if self.device is not None else None
         _load_into(unwrapped, self.state["model"], unpersisted, self._loaded)  # (onto the replay's device)
-        self.bad_state = [name for name, value in self.state["model"].items()
+        self.bad_state = [name for name, value in [*self.state["model"].items(), *unpersisted]
                           if isinstance(value, torch.Tensor) and not forensics.is_finite(value)]
         self._model_loaded = True
         self._root = root
@@ -394,6 +396,7 @@ class Replay(StepObserver):
         self._forwards += 1
         if index == 0:
             self.notes.extend(capture.rng_restore(self.rng))
+            self.autocast = samples.autocast_now()
         fed = self._batch(root, index, args, kwargs)
         if index == 0 and self.ops is not None:
             self.ops.start()  # from the first forward to the decision: the step, and only it
@@ -475,7 +478,8 @@ class Replay(StepObserver):
             return {"searched": False, "why_not": why}
         model = unwrap(self._root)
         batches = [capture.to_device(b, devices.device_of(model)) for b in self.batches]
-        return samples.search(model, batches, self.rng, key=self.settings.sample_id_key, skipped=self._skipped)
+        return samples.search(model, batches, self.rng, key=self.settings.sample_id_key, skipped=self._skipped,
+                              autocast=self.autocast)
 
     def _report(self, event: Event | None, traces: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
         report = build_report(self.incident, self.world, event, traces, self.layout)

@@ -129,6 +129,7 @@ def sample_lines(samples: dict[str, Any]) -> list[str]:
                   for g in entry["unresolved"]]
     lines += [f"mixing: {note}" for note in samples.get("mixing", [])]
     lines.append(f"search: {samples['runs']} run(s) of the model (cap {samples['max_runs']})"
+                 + (f", under the script's autocast ({', '.join(samples['autocast'])})" if samples.get("autocast") else "")
                  + (": the cap was reached, the search is incomplete" if samples["capped"] else ""))
     return lines
 

@@ -15,8 +15,9 @@ modules, and when a part was bad though neither of its halves was ("bad only tog
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,12 @@ CLEAN, FORWARD, BACKWARD, CAPPED = "clean", "forward", "backward", "capped"
 CHECKED = {False: "every module's output",
            True: "every module's output, and the parameters' gradients of a backward of ones into the"
                  " model's outputs (not the script's loss)"}
+
+
+def autocast_now() -> list[tuple[str, torch.dtype]]:
+    """The autocast regions open here, as (device type, dtype): the sample search runs under the
+    script's, since a value can overflow in float16 and not in float32."""
+    return [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
 
 
 def batch_size(batch: Mapping[str, Any]) -> int | None:
@@ -120,9 +127,11 @@ def mixing(model: nn.Module) -> list[str]:
 class Runner:
     """Runs the model on one part of a micro-batch and says how it went; counts runs up to a cap."""
 
-    def __init__(self, model: nn.Module, rng: Any, skipped: set[str], max_runs: int):
+    def __init__(self, model: nn.Module, rng: Any, skipped: set[str], max_runs: int,
+                 autocast: Sequence[tuple[str, torch.dtype]] = ()):
         self.model = model
         self.rng = rng
+        self.autocast = autocast
         self.names = {m: n for m, n in plain_names(model).items() if n not in skipped}
         self.max_runs = max_runs
         self.runs = 0
@@ -140,7 +149,9 @@ class Runner:
         handles = [m.register_forward_hook(_check(bad)) for m in self.names]
         buffers = saved_buffers(self.model)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as regions:
+                for device, dtype in self.autocast:
+                    regions.enter_context(torch.autocast(device, dtype=dtype))
                 out = self.model(*batch["args"], **batch["kwargs"])
                 if bad or not all(forensics.is_finite(t) for t in floating_tensors(out)):
                     return FORWARD
@@ -175,14 +186,15 @@ def _check(bad: list[str]):
 
 
 def search(model: nn.Module, batches: list[Any], rng: Any, *, key: str | None, skipped: set[str],
-           max_runs: int = MAX_RUNS) -> dict[str, Any]:
+           max_runs: int = MAX_RUNS, autocast: Sequence[tuple[str, torch.dtype]] = ()) -> dict[str, Any]:
     """Each micro-batch run again whole, and a bad one split until its bad samples are found
-    alone (or the cap of runs is reached)."""
-    runner = Runner(model, rng, skipped, max_runs)
+    alone (or the cap of runs is reached); under ``autocast`` (``autocast_now()`` in the step)."""
+    runner = Runner(model, rng, skipped, max_runs, autocast)
     with quiet(model):
         found = [_search_one(runner, k, batch, key) for k, batch in enumerate(batches)]
     return {"searched": True, "runs": runner.runs, "max_runs": max_runs, "capped": runner.capped,
-            "micro_batches": found, "mixing": mixing(model), "sample_id_key": key}
+            "micro_batches": found, "mixing": mixing(model), "sample_id_key": key,
+            "autocast": [f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast]}
 
 
 def _search_one(runner: Runner, index: int, batch: Mapping[str, Any], key: str | None) -> dict[str, Any]:

@@ -12,18 +12,18 @@ import nanguard
 from helpers import (assert_fed_as_captured, assert_incident_holds, assert_untouched, needs,
                      until_stop)
 from oracles import ForwardOracle, GradOracle, StateBefore
-from zoo import efficientnet, image_batch, poison_backward_of, resnet, swin, vit
+from zoo import efficientnet, eva, image_batch, poison_backward_of, resnet, swin, vit
 
 needs("timm")
 
 BAD_STEP = 2
 
 
-def vit_step(model, optimizer, run=None):
+def vit_step(model, optimizer, run=None, size=32):
     run = model if run is None else run
 
     def step(i):
-        x, y = image_batch(i)
+        x, y = image_batch(i, size=size)
         nn.functional.cross_entropy(run(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -147,9 +147,9 @@ def test_resnet_skip_leaves_batchnorm_statistics_and_eval_stays_finite():
         assert [e.step for e in guard.events] == [BAD_STEP]
 
 
-def forward_fault(model, fault):
-    """Train until nanguard stops, ``fault`` applied before step BAD_STEP; the event and what an
-    independent oracle saw make the first non-finite module output."""
+def faulted_run(model, fault, size=32):
+    """Train on ``size``-pixel images until nanguard stops, ``fault`` applied before step BAD_STEP:
+    (the error, an independent oracle's record of that step's module calls, the state before it)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with nanguard.init(model, optimizer):
         oracle = ForwardOracle(model)
@@ -160,9 +160,16 @@ def forward_fault(model, fault):
                     fault()
 
         try:
-            _, err, _ = until_stop(vit_step(model, optimizer), model, optimizer, steps=4, arm=arm, oracles=[oracle])
+            _, err, before = until_stop(vit_step(model, optimizer, size=size), model, optimizer, steps=4, arm=arm,
+                                        oracles=[oracle])
         finally:
             oracle.close()
+    return err, oracle, before
+
+
+def forward_fault(model, fault):
+    """The event of ``faulted_run`` and what its oracle saw make the first non-finite module output."""
+    err, oracle, _ = faulted_run(model, fault)
     return err.event, oracle.producer()
 
 
@@ -214,3 +221,32 @@ def test_swin_attention_mask_buffer_handed_to_the_attention_is_named_in_the_bloc
     assert (event.kind, event.layer, event.input_nonfinite) == ("forward", truth.name, True)
     assert f"forward code of {block}, whose buffer(s) attn_mask were non-finite when the step began (passed" \
         f" to {block}.attn as an argument already with NaN), or of {block}.attn itself" in event.message, event.message
+
+
+def test_eva_nan_key_bias_buffer_hidden_by_the_forward_is_named_not_blamed_on_the_backward(monkeypatch):
+    # EVA's attention joins its key bias (a non-persistent buffer) into the qkv bias in its own code:
+    # a NaN there makes NaN keys, which the CPU's scaled_dot_product_attention hides from its output
+    # (the forward's outputs and the loss are finite) but not from its backward
+    model = eva()
+    err, oracle, before = faulted_run(model, lambda: model.blocks[1].attn.k_bias[0].fill_(math.nan), size=28)
+    assert err.event.step == BAD_STEP
+    reached = [c.name for c in oracle.calls if not c.output_finite and c.name != "blocks.1.attn.k_norm"]
+    event = err.event
+    if reached:  # a torch whose attention passes the NaN on: a forward fault
+        assert (event.kind, event.layer) == ("forward", reached[0]), (event, reached)
+    else:  # only the Identity the keys pass through (its output: evidence, not a fault) held it
+        assert event.kind == "grad" and "born in the backward pass" not in event.message, event.message
+        assert ("the forward was not finite, though no module output checked was: the input of"
+                " blocks.1.attn.k_norm held NaN, made in the forward code of blocks.1.attn, whose buffer(s)"
+                " k_bias were non-finite when the step began") in event.message, event.message
+    assert_untouched(before, model)
+
+    monkeypatch.setenv("NANGUARD_REPLAY", err.incident)
+    replayed = eva()
+    optimizer = torch.optim.AdamW(replayed.parameters(), lr=1e-3)
+    with nanguard.init(replayed, optimizer), pytest.raises(SystemExit):
+        vit_step(replayed, optimizer, size=28)(0)
+    from nanguard.incident import read_incident
+
+    report = read_incident(err.incident).replay_report()
+    assert report["bad_state"] == {"0": ["blocks.1.attn.k_bias"]}, report  # a non-persistent buffer, saved apart

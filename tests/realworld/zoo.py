@@ -202,9 +202,19 @@ def swin() -> nn.Module:
                              embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10)
 
 
-def image_batch(step: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def eva() -> nn.Module:
+    """timm's EVA-02 (rotary embeddings) on 28x28 images (``image_batch(size=28)``): its attention
+    keeps the key's zero bias as a non-persistent buffer, joined into the qkv bias in its own code,
+    and runs ``F.scaled_dot_product_attention``."""
+    timm = import_timm()
+    torch.manual_seed(0)
+    return timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=28, patch_size=14, embed_dim=32,
+                             depth=2, num_heads=2, num_classes=10)
+
+
+def image_batch(step: int, batch: int = 4, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    return torch.randn(batch, 3, size, size, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
 
 
 # ------------------------------------------------------------------ PyTorch's tutorial LM

@@ -3,6 +3,7 @@ with ``NANGUARD_REPLAY`` set (which ends in SystemExit(0) at the replayed step).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +21,11 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def run(make_model: Callable[[], nn.Module], batch: Callable[[int], tuple[Any, torch.Tensor]], *,
         steps: int = 4, loss: Callable = cross_entropy, init_kwargs: dict | None = None,
-        keep: dict | None = None) -> nanguard.NonFiniteError | None:
+        keep: dict | None = None, region: Callable[[], Any] = contextlib.nullcontext
+        ) -> nanguard.NonFiniteError | None:
     """Trains ``make_model()`` on ``batch(step) -> (model input, labels)``; returns how it ended.
-    ``keep`` (a dict) receives the model and the optimizer, for a test to look at afterwards."""
+    ``keep`` (a dict) receives the model and the optimizer, for a test to look at afterwards;
+    ``region()``: a context the model's forward runs in (an autocast)."""
     torch.manual_seed(0)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -32,7 +35,9 @@ def run(make_model: Callable[[], nn.Module], batch: Callable[[int], tuple[Any, t
     try:
         for step in range(steps):
             x, y = batch(step)
-            loss(model(x), y).backward()
+            with region():
+                out = model(x)
+            loss(out, y).backward()
             optimizer.step()
             optimizer.zero_grad()
     except nanguard.NonFiniteError as err:

@@ -77,6 +77,46 @@ def test_two_poisoned_samples_of_64(monkeypatch, capsys):
     assert "samples      rank 0, micro-batch 0: bad in forward" in text and "skip file" in text
 
 
+class Wide(nn.Module):
+    """A first layer whose output overflows float16 (above 65504) for a sample of large inputs,
+    which float32 holds: the fault is the script's autocast's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.lin.weight.fill_(1.0)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(x)))
+
+
+def large(step: int):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.rand(8, 8, generator=gen)
+    if step == 2:
+        x[5] = 2e4  # finite in float16 (up to 65504); the sum of eight of them is not
+    return x, torch.randint(0, 4, (8,), generator=gen)
+
+
+def test_the_search_runs_under_the_autocast_the_step_ran_in(monkeypatch, capsys):
+    half = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+    loss = lambda out, y: nn.functional.cross_entropy(out.float(), y)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.float16):  # the oracle: sample 5 alone overflows in float16 only
+        assert not torch.isfinite(Wide()(large(2)[0][5:6])).all()
+    assert torch.isfinite(Wide()(large(2)[0][5:6])).all()
+    err = run(Wide, large, region=half, loss=loss)
+    assert err is not None and (err.event.step, err.event.layer) == (2, "lin")
+    report = replay(monkeypatch, err.incident, Wide, large, region=half, loss=loss)
+    assert report["verdict"] == "reproducible", report["message"]
+    found = report["samples"]["0"]
+    (entry,) = found["micro_batches"]
+    assert (entry["outcome"], entry["bad"], entry["rest_clean"]) == ("forward", [5], True), entry
+    assert found["autocast"] == ["cpu float16"]
+    assert report["bad_samples"] == [{"rank": 0, "micro_batch": 0, "index": 5, "id": None}]
+    assert "under the script's autocast (cpu float16)" in capsys.readouterr().out
+
+
 def test_ids_named_by_the_environment_and_a_missing_key(monkeypatch):
     err = run(DictModel, poisoned)
     report = replay(monkeypatch, err.incident, DictModel, poisoned, env={"NANGUARD_SAMPLE_ID_KEY": "index"})

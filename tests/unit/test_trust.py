@@ -1108,18 +1108,25 @@ def test_a_nan_born_in_the_last_modules_own_backward_is_not_asserted_to_come_fro
 
 
 class TiedLM(nn.Module):
-    """An embedding and an output layer sharing one weight (GPT-2's tying)."""
+    """An embedding and an output layer sharing one weight (GPT-2's tying; ``tied=False``: not),
+    and when ``fault`` is set a NaN born in the backward pass between the head and the norm."""
 
-    def __init__(self):
+    def __init__(self, tied: bool = True):
         super().__init__()
         self.emb = nn.Embedding(50, 16)
         self.body = nn.Linear(16, 16)
         self.ln = nn.LayerNorm(16)
         self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight
+        if tied:
+            self.head.weight = self.emb.weight
+        self.fault = False
 
     def forward(self, ids):
-        return self.head(self.ln(torch.relu(self.body(self.emb(ids)))))
+        h = self.ln(torch.relu(self.body(self.emb(ids))))
+        self.h = NanBackward.apply(h) if self.fault else h
+        if self.h.requires_grad:
+            self.h.retain_grad()  # (an oracle: the gradient the head's own backward sends on)
+        return self.head(self.h)
 
 
 def test_a_tied_output_layer_is_not_said_to_have_no_gradient_and_the_loss_stays_possible():
@@ -1134,8 +1141,8 @@ def test_a_tied_output_layer_is_not_said_to_have_no_gradient_and_the_loss_stays_
         optimizer.step()
     event = guard.events[0]
     assert event.kind == "grad" and event.layer == "ln.weight", event
-    assert "the gradient of head is non-finite too, through a weight it shares" in event.message, event.message
-    assert "the loss's gradient or head's own backward made it" in event.message
+    assert "the gradient of head is non-finite too, but through a weight it shares" in event.message, event.message
+    assert "or in head's own backward, or came in with the loss's gradient" in event.message
     assert "no trainable parameters" not in event.message and "so it was born in" not in event.message
 
 
@@ -1796,3 +1803,31 @@ def test_a_batch_the_script_drops_before_its_backward_pass_stops_nothing(accumul
     assert "never backpropagated before the optimizer step" in first.message
     assert info.value.event is second and (second.kind, second.step) == ("grad", 6), second
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_backward_nan_behind_a_tied_head_is_not_blamed_on_the_head_or_the_loss_alone(tied):
+    torch.manual_seed(0)
+    model = TiedLM(tied)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer):
+        for step in range(4):
+            x = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(step))
+            model.fault = step == 2
+            loss = nn.functional.cross_entropy(model(x).reshape(-1, 50), x.reshape(-1))
+            loss.backward()
+            if model.fault:  # the oracle: what the head's backward sent on was finite, the norm's gradient not
+                assert torch.isfinite(loss) and torch.isfinite(model.h.grad).all()
+                assert not torch.isfinite(model.ln.weight.grad).all()
+                with pytest.raises(nanguard.NonFiniteError) as info:
+                    optimizer.step()
+                break
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert (event.kind, event.layer, event.step) == ("grad", "ln.weight", 2), event
+    if tied:  # the head's gradient sums the embedding's use: it does not tell whether the head's backward was finite
+        assert "born in the backward pass between the gradients of head and this one, or in head's own backward" \
+               in event.message and "so it does not tell which" in event.message, event.message
+    else:
+        assert "born in the backward pass between the gradients of head (finite) and this one" in event.message
