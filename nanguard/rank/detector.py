@@ -135,7 +135,7 @@ class Detector:
         last forward began (a head, a LoRA adapter, a replaced layer): hooked and named then"""
         self.skipped: list[str] = []
         """names of the modules skipped (``skip_types``, ``skip_modules``): their children are too"""
-        self._registrations: list[Any] = []
+        self.registrations: list[Any] = []
         """the process-wide hooks that note what is registered into hooked modules (``_on_registration``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
@@ -152,18 +152,18 @@ class Detector:
         """Hook ``root`` and every module below it; returns the root's slot."""
         names = plain_names(root, prefix)
         _hook_modules(self, names, root)
-        if not self._registrations:  # what is added into these modules later is hooked too
-            self._registrations = [register_module_module_registration_hook(_on_registration(self)),
+        if not self.registrations:  # what is added into these modules later is hooked too
+            self.registrations += [register_module_module_registration_hook(_on_registration(self)),
                                    register_module_parameter_registration_hook(_on_registration(self))]
         self.backward.watch_collectives(root, names)
         _hook_root(self, root)
         return self._modules[root]
 
     def detach(self) -> None:
-        for handle in self._handles + self._registrations:
+        for handle in self._handles + self.registrations:
             handle.remove()
         self._handles.clear()
-        self._registrations.clear()
+        self.registrations.clear()
         self._modules = weakref.WeakKeyDictionary()
         self._root_slots = weakref.WeakKeyDictionary()
         self.reset()
@@ -412,9 +412,13 @@ def _rename(detector: Detector, module: nn.Module, qualified: str) -> None:
 def _on_registration(detector: Detector):
     """A process-wide registration hook (of modules, or of parameters): one registered into a
     hooked module is noted, to be hooked or named when the next forward begins (it is not in its
-    place yet). Anything else is none of this detector's."""
+    place yet). Anything else is none of this detector's. It holds the detector weakly (a guard
+    never closed goes with its models)."""
+    ref = weakref.ref(detector)
+
     def hook(parent: nn.Module, name: str, value: Any) -> None:
-        if value is None:
+        detector = ref()
+        if value is None or detector is None:
             return
         if name == "module" and type(parent).__name__ == "DistributedDataParallel" and value in detector._root_slots:
             detector.added.append((weakref.ref(parent), name))  # a new DDP of a guarded model: its buckets

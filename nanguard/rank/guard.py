@@ -102,9 +102,13 @@ class Guard:
             self._attach(model)
         else:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
-        self._handles += OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
-                                        self._detector.backward.watches, everything=model is None,
-                                        on_other=self._on_other_step).install()
+        self._watch = OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
+                                     self._detector.backward.watches, everything=model is None,
+                                     on_other=self._on_other_step)
+        self._handles += self._watch.install()
+        # A guard is held by its models' and optimizers' hooks (and a bare init()'s by the process):
+        # one never closed goes with them, and takes its process-wide hooks along
+        self._finalizer = weakref.finalize(self, _let_go, self._handles, self._detector.registrations, id(self))
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -184,6 +188,8 @@ class Guard:
         if log.started and not log.trained and log.values:  # a last evaluation, after the last step
             self._decider.settle_early("evaluation")
         self._closed = True
+        if hasattr(self, "_finalizer"):  # (not made when disabled)
+            self._finalizer.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -207,28 +213,12 @@ class Guard:
     # ------------------------------------------------------------------ installing
     def _attach(self, root: nn.Module) -> int:
         REGISTRY.claim(self, root)
-        prefix = self._prefix(root)
+        prefix = _prefix(self._roots, root)
         self._roots.append((_held(root), prefix))
         slot = self._detector.attach(root, prefix)
         if next(root.parameters(), None) is not None:
             self._observer.model_attached(root, self._detector.catalog.param_names, prefix)
         return slot
-
-    def _prefix(self, root: nn.Module) -> str:
-        """What a root's names begin with: nothing for the first root with parameters (the model's
-        names are its own), its class name for any other a bare ``init()`` finds (a GAN's critic
-        beside its generator, an EMA teacher beside its student, a loss module), with ``#k`` for
-        the k-th root of that class (``Sequential#2``: the second ``Sequential``), so that no two
-        modules share a name."""
-        first = next(root.parameters(), None) is not None and not any(
-            name == "" for _, name in self._roots)
-        if first:
-            return ""
-        cls = type(root)
-        k = 1 + sum(type(ref()) is cls for ref, _ in self._roots)
-        taken = {name for _, name in self._roots}
-        return next(name for n in range(k, k + len(taken) + 1)
-                    if (name := cls.__name__ if n == 1 else f"{cls.__name__}#{n}") not in taken)
 
     def _discover(self, module: nn.Module, args: tuple) -> tuple | None:
         """Global pre-hook of a bare ``init()``: the first call of an unknown module is a root."""
@@ -343,6 +333,11 @@ class GuardRegistry:
         with self._lock:
             self._global = guard
 
+    def forget(self, guard_id: int) -> None:
+        """A guard gone without ``close()``: the modules it claimed are gone before it."""
+        with self._lock:
+            self._modules.pop(guard_id, None)
+
     def release(self, guard: Guard) -> None:
         with self._lock:
             for ref in self._modules.pop(id(guard), []):
@@ -356,6 +351,43 @@ class GuardRegistry:
 REGISTRY = GuardRegistry()
 
 
+def _prefix(roots: list[tuple[Callable[[], nn.Module | None], str]], root: nn.Module) -> str:
+    """What a root's names begin with: nothing for the first root with parameters (the model's
+    names are its own), its class name for any other a bare ``init()`` finds (a GAN's critic
+    beside its generator, an EMA teacher beside its student, a loss module), with ``#k`` for
+    the k-th root of that class (``Sequential#2``: the second ``Sequential``), so that no two
+    modules share a name. ``roots``: those attached before, with their prefixes."""
+    first = next(root.parameters(), None) is not None and not any(name == "" for _, name in roots)
+    if first:
+        return ""
+    cls = type(root)
+    k = 1 + sum(type(ref()) is cls for ref, _ in roots)
+    taken = {name for _, name in roots}
+    return next(name for n in range(k, k + len(taken) + 1)
+                if (name := cls.__name__ if n == 1 else f"{cls.__name__}#{n}") not in taken)
+
+
+_GONE: list[tuple[list[Any], list[Any], int]] = []
+"""(hook handles, registration handles, id) of guards gone without ``close()``, let go of at the
+next ``init()``: a finalizer runs amid whatever the process is doing (an optimizer going through
+torch's dict of step hooks, a thread holding the registry's lock), so it only appends here"""
+
+
+def _let_go(handles: list[Any], registrations: list[Any], guard_id: int) -> None:
+    """A guard never closed is gone with every model and optimizer it guarded (a trial of a sweep,
+    a notebook cell run again); its process-wide hooks, which hold it weakly, do nothing from now
+    on, and go at the next ``init()`` (``_GONE``)."""
+    _GONE.append((handles, registrations, guard_id))
+
+
+def _forget_gone() -> None:
+    while _GONE:
+        handles, registrations, guard_id = _GONE.pop()
+        for handle in [*handles, *registrations]:
+            handle.remove()
+        REGISTRY.forget(guard_id)
+
+
 def init(model: nn.Module | None = None,
          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
          *, on_stop: Callable[[Exception], Any] | None = None, scaler: Any = None,
@@ -367,6 +399,7 @@ def init(model: nn.Module | None = None,
     stop step, before the error is raised, for a checkpoint in the team's own format.
     ``scaler`` (a GradScaler) and ``scheduler`` (an LR scheduler) are saved in incidents too.
     """
+    _forget_gone()
     settings = Settings.resolve(overrides)
     optimizers = _checked_arguments(model, optimizer, on_stop)
     states = {name: obj for name, obj in (("scaler", scaler), ("scheduler", scheduler)) if obj is not None}

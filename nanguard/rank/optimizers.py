@@ -50,9 +50,16 @@ class OptimizerWatch:
         parameters were guarded, how many groups it had): judged again when either grows"""
 
     def install(self) -> list[Any]:
-        """The hooks' handles."""
+        """The hooks' handles. The process-wide hook holds this watch weakly: a guard that was never
+        closed goes with its models and optimizers, which hold it (``Guard``), and its hook with it."""
         handles = [optimizer.register_step_pre_hook(self._on_step) for optimizer in self._given]
-        return handles + [register_optimizer_step_pre_hook(self._any)]
+        watch = weakref.ref(self)
+
+        def any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+            me = watch()
+            return None if me is None else me._any(optimizer, args, kwargs)
+
+        return handles + [register_optimizer_step_pre_hook(any_step)]
 
     def _any(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if optimizer in self._given or optimizer in self._inner:

@@ -73,6 +73,55 @@ def test_close_removes_every_hook_and_check_after_close_fails():
     assert "closed" in repr(guard)
 
 
+def process_hooks() -> int:
+    """The process-wide hooks nanguard installs: optimizer step pre-hooks, registration hooks."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return (len(optimizer._global_optimizer_pre_hooks) + len(module._global_module_registration_hooks)
+            + len(module._global_parameter_registration_hooks))
+
+
+def test_a_guard_never_closed_goes_with_its_model_and_optimizer_and_its_process_hooks_too():
+    # a sweep's trials, or a notebook cell run again, that never call close(): each guard went on
+    # holding a process-wide optimizer hook that every later optimizer step ran (300 such: 33 to
+    # 300 us per step of an optimizer no guard knows), and its memory
+    import gc
+
+    def trial():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = nanguard.init(model, optimizer)
+        train_step(model, optimizer)
+        return weakref.ref(guard)
+
+    gc.collect()
+    before = process_hooks()
+    guards = [trial() for _ in range(20)]
+    gc.collect()
+    assert sum(ref() is not None for ref in guards) <= 1  # (the last may wait for the next collection)
+    other = make_mlp()
+    with nanguard.init(other, torch.optim.SGD(other.parameters(), lr=0.1)):  # lets go of the gone ones' hooks
+        assert process_hooks() <= before + 2 * 3
+    gc.collect()
+    assert all(ref() is None for ref in guards)
+
+
+def test_a_guard_nobody_keeps_guards_as_long_as_its_model_and_optimizer_live():
+    import gc
+
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = weakref.ref(nanguard.init(model, optimizer))  # the one line of a script that keeps nothing
+    gc.collect()
+    train_step(model, optimizer)
+    model[2].armed = True
+    with pytest.raises(nanguard.NonFiniteError):
+        train_step(model, optimizer)
+    assert guard() is not None
+    guard().close()
+
+
 def test_check_rejects_non_tensors(mlp):
     _, _, guard = mlp
     with pytest.raises(TypeError, match="torch.Tensor"):
