@@ -255,7 +255,7 @@ def changed_gradients(owners: list[torch.Tensor], log: StepLog,
     script's own division can make a finite gradient non-finite after the backward pass. With
     several ranks (``summed``) they are read again whatever their versions say: a collective
     writes into a tensor without counting a version."""
-    if log.produced is None or (not summed and as_left(owners, log.left)):
+    if log.produced is None or not log.produced[0] or (not summed and as_left(owners, log.left)):
         return [], []
     return gradient_norms(owners)
 
@@ -444,7 +444,9 @@ class Decider:
         if optimizer is None:
             return [], []
         produced = self.detector.log.produced
-        if produced is None:
+        if produced is None or not produced[0]:
+            # no backward pass left a gradient (torch.autograd.grad ends one, and the script assigns
+            # what it returned to .grad itself, as functional training does): as they are now
             return gradient_norms(params(optimizer))
         if self.detector.backward.scaled:  # the scaler checks and unscales only what this optimizer steps
             mine = {id(p) for p in params(optimizer)}

@@ -244,9 +244,10 @@ class Detector:
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
-        if self.keep_batches:
-            # held for the capture: copies, once a batch was found changed in place by its step's
-            # decision (a refilled buffer), probed (lazily) as those copies; the forward's own are seen
+        if self.keep_batches and not any(map(_transformed, call_tensors(args, kwargs))):
+            # held for the capture (not inside torch.func, whose tensors do not outlive it): copies,
+            # once a batch was found changed in place by its step's decision (a refilled buffer),
+            # probed (lazily) as those copies; the forward's own are seen
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.feeds.copying:

@@ -471,17 +471,19 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
     if not any(record.role == OUT for record in log.records):
         # no module output of this step was checked: nothing says the forward was finite
         return fields | {"message": f"{counted}, this one first in backward order; no module output of the"
-                                    " model was checked in this step (a model compiled in place with"
-                                    " module.compile() before a bare nanguard.init() is never seen: pass it"
-                                    " to init), so whether it was born in the forward or the backward is"
-                                    " unknown"}
+                                    " model was checked in this step (a forward inside torch.func's vmap or"
+                                    " grad is not; a model compiled in place with module.compile() before a"
+                                    " bare nanguard.init() is never seen: pass it to init), so whether it was"
+                                    " born in the forward or the backward is unknown"}
     hidden = _hidden_nan(catalog, log, extremes)
     if hidden:
         return fields | {"message": f"{counted}, this one first in backward order; {hidden}"}
     last = next(iter(order), None)  # the last module to run: the first in backward order
     if last is not None and slot == last:
         # Even the first gradients of the backward pass are bad: what entered it was.
-        return fields | {
+        described = ("shape", "dtype", "numel", "bad_count", "nan_count", "inf_count", "first_index", "first_value",
+                     "finite_min", "finite_max", "finite_mean")  # (the gradient's, not the loss's)
+        return {key: value for key, value in fields.items() if key not in described} | {
             "kind": "loss", "layer": "loss", "module_type": "",
             "message": f"the forward was finite but {counted}, starting with {names[0]}, the first"
                        " in backward order: either the gradient entering the model's backward pass was"

@@ -1831,3 +1831,72 @@ def test_a_backward_nan_behind_a_tied_head_is_not_blamed_on_the_head_or_the_loss
                in event.message and "so it does not tell which" in event.message, event.message
     else:
         assert "born in the backward pass between the gradients of head (finite) and this one" in event.message
+
+
+def functional_training(per_sample: bool, bad_step: int = 3):
+    """Gradients the script computes itself and assigns to ``.grad``: ``torch.autograd.grad`` of
+    the loss, with a NaN born in the backward pass (``NanBackward``) at ``bad_step``, or per-sample
+    gradients (``vmap(grad(functional_call))``, averaged), with a NaN sample then. Returns the
+    model, its weights before that step, the error and the parameters' names."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [name for name, _ in model.named_parameters()]
+
+    def sample_loss(params, x, y):
+        return nn.functional.mse_loss(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    with nanguard.init(model, optimizer):
+        for step in range(6):
+            x, y = torch.randn(8, 8), torch.randn(8, 4)
+            before = copy.deepcopy(model.state_dict())
+            if per_sample:
+                if step == bad_step:
+                    x[5, 0] = math.nan  # one sample's: every gradient averaged over the batch is NaN
+                params = {n: p.detach() for n, p in model.named_parameters()}
+                grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+                for name, param in model.named_parameters():
+                    param.grad = grads[name].mean(0)
+            else:
+                out = model(x)
+                loss = nn.functional.mse_loss(NanBackward.apply(out) if step == bad_step else out, y)
+                for param, g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+                    param.grad = g
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                return model, before, err, names
+            optimizer.zero_grad()
+    return model, None, None, names
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["autograd.grad", "vmap-per-sample"])
+def test_gradients_the_script_assigns_itself_are_checked_before_the_update(per_sample):
+    # torch.autograd.grad ends a backward pass that leaves no .grad: the gradients the optimizer
+    # applies were never read, and the NaN update went through (no event at all with torch.func)
+    model, before, err, names = functional_training(per_sample)
+    # (a NaN entering the backward pass at the model's output is the loss's, as the design names it)
+    assert err is not None and (err.event.kind, err.event.step) == ("grad" if per_sample else "loss", 3), err
+    assert err.event.layer in (names if per_sample else ["loss"])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert err.incident is not None  # (batches seen inside vmap are not kept: they do not outlive it)
+    if per_sample:
+        assert "a forward inside torch.func's vmap or grad is not" in err.event.message
+
+
+def test_a_loss_event_carries_no_gradients_numbers():
+    # the loss is named when even the last module's gradients are bad: the event's shape and
+    # counts were the first bad gradient's (a scalar loss of shape (4, 16), "64 NaN of 64")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        out = model(torch.randn(4, 8))
+        NanBackward.apply(out).sum().backward()
+        optimizer.step()
+    (event,) = guard.events
+    assert (event.kind, event.layer) == ("loss", "loss"), event
+    assert (event.shape, event.numel, event.bad_count, event.first_index) == (None, None, None, None), event
+    assert event.has_nan
