@@ -47,6 +47,15 @@ def rng_snapshot(host: bool = True) -> dict[str, Any]:
     }
 
 
+def host_fingerprint() -> tuple:
+    """Python's and numpy's global random states, comparable with ``==``: whether code run between
+    two readings drew from them (numpy's only once the process imported it)."""
+    module = sys.modules.get("numpy")
+    state = module.random.get_state(legacy=False) if module is not None else None
+    return random.getstate(), None if state is None else (
+        state["state"]["key"].tobytes(), state["state"]["pos"], state["has_gauss"], state["gauss"])
+
+
 def torch_state(value: torch.Tensor | torch.Generator) -> torch.Tensor:
     """torch's CPU RNG state as ``torch.set_rng_state`` takes it, from a snapshot's value."""
     return value.get_state() if isinstance(value, torch.Generator) else value

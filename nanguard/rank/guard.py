@@ -24,7 +24,7 @@ from ..config import Settings
 from ..errors import ConfigError, GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
-from ..replay import Replay, StepObserver
+from ..replay import Replay, StepObserver, watch_exit
 from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
@@ -428,6 +428,8 @@ def init(model: nn.Module | None = None,
     guard = Guard(model, optimizers, settings, on_stop, states, observer)
     if model is None:
         REGISTRY.claim_process(guard)
+    if observer is not None:
+        watch_exit(observer)
     return guard
 
 

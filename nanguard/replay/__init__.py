@@ -42,8 +42,8 @@ at the same step: a deterministic bug in the model, the data or the code. Otherw
 device are named) or at non-determinism, as Megatron-LM's rerun machine reasons.
 """
 
-from .observer import Replay, StepObserver
+from .observer import Replay, StepObserver, watch_exit
 from .render import detail_lines, render, trace_lines
 from .skipfile import skip_list
 
-__all__ = ["Replay", "StepObserver", "detail_lines", "render", "skip_list", "trace_lines"]
+__all__ = ["Replay", "StepObserver", "detail_lines", "render", "skip_list", "trace_lines", "watch_exit"]

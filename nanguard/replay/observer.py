@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -119,6 +120,13 @@ def _load_into(model: nn.Module, state: dict[str, Any], buffers: list[tuple[str,
     loaded.update(id(t) for t in tensors.values())
 
 
+_KIND_SETTINGS = frozenset(("momentum", "dampening", "nesterov", "betas", "amsgrad", "alpha", "centered", "lr_decay",
+                            "initial_accumulator_value", "rho", "lambd", "t0", "etas", "step_sizes", "max_iter",
+                            "history_size", "line_search_fn", "momentum_decay", "beta2_decay", "d"))
+"""settings of a parameter group that tell one kind of optimizer from another, the same in every
+torch version (a newer torch adds others, which the comparison leaves out)"""
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extra: Any, names: dict[int, str],
                    path: str) -> str | None:
     """Load an incident's optimizer state into ``optimizer`` when it holds the parameters the
@@ -132,6 +140,13 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], extr
         return (f"the incident's optimizer state (of {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}) was"
                 f" not loaded into the script's {type(optimizer).__name__}, which steps first here and holds"
                 " other parameters: the script's own state was used")
+    kinds = [sorted(set(group) & _KIND_SETTINGS) for group in (saved.get("param_groups") or [{}])[:1]
+             + optimizer.param_groups[:1]]
+    if len(kinds) == 2 and kinds[0] != kinds[1]:
+        raise IncidentError(path, f"holds the state of another kind of optimizer than the script's"
+                                  f" {type(optimizer).__name__} (its settings are {', '.join(kinds[0][:8])}; the"
+                                  f" script's, {', '.join(kinds[1][:8])}): this is not the script that made the"
+                                  " incident; nothing was loaded")
     if len(saved.get("param_groups", ())) != len(optimizer.param_groups):
         raise IncidentError(path, f"holds an optimizer state with {len(saved['param_groups'])} parameter group(s);"
                                   f" the script's {type(optimizer).__name__} has {len(optimizer.param_groups)};"
@@ -268,24 +283,29 @@ class Replay(StepObserver):
         self.notes: list[str] = [part.note] if part.note else []
         self.batches = incident.rank_batches(self.rank, self.notes)
         self.rng = incident.rank_rng(self.rank)
-        self._forwards = 0
+        self.forwards = 0
         self._handed_over = False
         """a trainer handed the batch over (``batch_given``): its training_step takes it, not the model"""
         self.own_data = False
         """some of what the step was fed came from the script, not from the incident"""
         self.bad_state: list[str] = []
         """the model's captured tensors that were non-finite already (before the step)"""
+        self.finished = False
+        self._host_rng: tuple | None = None
+        """Python's and numpy's random states as the step's first forward began (``host_fingerprint``)"""
+        self.other_script = False
+        """the script's model is not the one that made the incident (its module types differ)"""
         self.autocast: list[tuple[str, torch.dtype]] = []
         """the autocast regions the step's first forward ran in (the sample search runs in them too)"""
         self._others: dict[str, int] = {}
         """forwards so far of the models beside the first (a bare init()'s other roots), by prefix"""
-        micro_batch = lambda name: _forward_of(self._others, self._forwards, name)  # noqa: E731
+        micro_batch = lambda name: _forward_of(self._others, self.forwards, name)  # noqa: E731
         self.ops = OpWatch(micro_batch) if settings.replay_ops else None
         self.trace = Trace(micro_batch, self.ops.paused if self.ops is not None else
                            contextlib.nullcontext)
         self._root: nn.Module | None = None
         self._skipped: set[str] = set()
-        self._model_loaded = False
+        self.model_loaded = False
         self._optimizers_loaded = False
         self._names: dict[int, str] = {}
         self._loaded: set[int] = set()  # ids of the model tensors loaded so far
@@ -326,16 +346,20 @@ class Replay(StepObserver):
         if prefix:
             self._load_other(root, prefix)
             return
-        if self._model_loaded:
+        if self.model_loaded:
             return
         unwrapped = unwrap(root)
         _check_model_state(unwrapped, self.state["model"], self._state_path)
+        note = _other_script(self.incident.first_event, unwrapped)
+        if note is not None:
+            self.other_script = True
+            self.notes.append(note)
         unpersisted = _unpersisted(self.state, unwrapped, self._state_path, self.notes)
         back = devices.move(root, self.device) if self.device is not None else None
         _load_into(unwrapped, self.state["model"], unpersisted, self._loaded)  # (onto the replay's device)
         self.bad_state = [name for name, value in [*self.state["model"].items(), *unpersisted]
                           if isinstance(value, torch.Tensor) and not forensics.is_finite(value)]
-        self._model_loaded = True
+        self.model_loaded = True
         self._root = root
         self._install(root, param_names, back)
 
@@ -358,7 +382,12 @@ class Replay(StepObserver):
         incident stopped and saved: ``StepClock``), and the scaler's and scheduler's given to ``init``."""
         saved = self.state.get("optimizer")
         if optimizers and not self._optimizers_loaded and saved is not None:
-            note = load_optimizer(optimizers[0], saved, self.state.get("extra"), self._names, self._state_path)
+            try:
+                note = load_optimizer(optimizers[0], saved, self.state.get("extra"), self._names, self._state_path)
+            except IncidentError:
+                if self.ops is not None:
+                    self.ops.stop()  # (started at the step's first forward: the replay ends here)
+                raise
             self._optimizers_loaded = note is None
             if note is not None and note not in self.notes:
                 self.notes.append(note)
@@ -392,11 +421,14 @@ class Replay(StepObserver):
     def _feed(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.nested():
             return None  # called inside another model's forward: a module there, fed by it
-        index = self._forwards
-        self._forwards += 1
+        index = self.forwards
+        self.forwards += 1
         if index == 0:
             self.notes.extend(capture.rng_restore(self.rng))
+            self._host_rng = capture.host_fingerprint()
             self.autocast = samples.autocast_now()
+            if getattr(self, "_used", None) is not None:
+                self._used.arm()  # the outputs of this forward that the step's loss backpropagates through
         fed = self._batch(root, index, args, kwargs)
         if index == 0 and self.ops is not None:
             self.ops.start()  # from the first forward to the decision: the step, and only it
@@ -427,6 +459,8 @@ class Replay(StepObserver):
         # a model compiled in place runs it inside its compiled frame
         self._handles.append(root.register_forward_pre_hook(untraced(self._feed), with_kwargs=True, prepend=True))
         self._handles += self.trace.install(root, param_names)
+        self._used = samples.UsedOutputs()  # (the sample search's backward goes into those only)
+        self._handles.append(root.register_forward_hook(untraced(self._used)))
         self._skipped = _skipped_names(root, self.settings)
         if self.ops is not None:
             self._handles += self.ops.install(root, self._skipped)
@@ -440,58 +474,33 @@ class Replay(StepObserver):
     def decided(self, event: Event | None) -> NoReturn:
         """Search the bad samples, compare with the original, write replay.json (process rank 0),
         print, and end the script."""
+        self.finished = True
         notes = self.ops.stop() if self.ops is not None else []
         for handle in self._handles:
             handle.remove()
-        if self._forwards == 0 and self._model_loaded:  # its modules were called directly (a GAN's G and D)
+        unfed = _unfed_note(self.forwards, self.model_loaded, self.batches)
+        if unfed is not None:  # what the step was fed is not all the incident holds
             self.own_data = True
-            notes.append("the model's root module ran no forward in this step (the script called its modules"
-                         " directly): no batch was captured or fed, the script's own inputs were used")
-        elif self.batches is not None and self._forwards < len(self.batches):
-            self.own_data = True  # what the step was fed is not all the incident holds
-            notes.append(f"the script ran {self._forwards} forward(s) of the model in this step, the incident"
-                         f" captured {len(self.batches)}: micro-batch(es) {self._forwards} to {len(self.batches) - 1}"
-                         " were never fed (replay with the run's gradient accumulation)")
+            notes.append(unfed)
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
+        drawn = self._host_rng is not None and capture.host_fingerprint() != self._host_rng
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,
-                   "own_data": self.own_data, "bad_state": self.bad_state,
+                   "own_data": self.own_data, "bad_state": self.bad_state, "host_rng_drawn": drawn,
+                   "other_script": self.other_script,
                    "operations": self.ops.result() if self.ops is not None else None,
-                   "samples": self._search(),
+                   "samples": _search(self),
                    "device": devices.this_one(devices.device_of(self._root) if self._root is not None
                                               else torch.device("cpu"))}
         collectives = Collectives()
         traces = collectives.all_gather_object(payload)
         report = path = None
         if self.process_rank == 0:
-            report, path = self._report(event, traces)
+            report, path = _report(self, event, traces)
         else:
             print(f"nanguard replay: rank {self.rank} done; rank 0 prints the report", flush=True)
         collectives.barrier()  # rank 0 has saved the report before any rank leaves
         raise ReplayFinished(report, path)
-
-    def _search(self) -> dict[str, Any]:
-        """The bad samples of this rank's batch, or why they were not searched."""
-        why = _not_searchable(self._root, self.batches, self.incident.manifest["sharded"], self.world,
-                              self._handed_over)
-        if why is not None:
-            return {"searched": False, "why_not": why}
-        model = unwrap(self._root)
-        batches = [capture.to_device(b, devices.device_of(model)) for b in self.batches]
-        return samples.search(model, batches, self.rng, key=self.settings.sample_id_key, skipped=self._skipped,
-                              autocast=self.autocast)
-
-    def _report(self, event: Event | None, traces: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
-        report = build_report(self.incident, self.world, event, traces, self.layout)
-        _skip_file(self.incident, report, self.settings.sample_id_key)
-        path = None
-        try:
-            path = capture.record_replay(self.incident.path, report)
-        except IncidentError as exc:
-            log.error("nanguard: replay report not saved: %s", exc)
-        print(render(report, path), flush=True)
-        return report, path
-
 
     def batch_given(self, root: nn.Module, batch: Any) -> None:
         """Fill the batch a trainer hands over with the captured micro-batch, in place (a trainer
@@ -509,6 +518,72 @@ class Replay(StepObserver):
         with torch.no_grad():
             for target, source in zip(given, captured):
                 target.copy_(source)
+
+
+def watch_exit(replay: Replay) -> None:
+    """The guard that replays is installed (nothing was refused): a script that ends before the
+    replayed step is decided is told so at exit."""
+    atexit.register(_never_decided, replay)
+
+
+def _never_decided(replay: Replay) -> None:
+    """At exit: a script that ended before the replayed step was decided (an empty loader, a step
+    limit of 0, an error caught) replayed nothing, and wrote no report: said so."""
+    if not replay.finished:
+        log.error("nanguard: NANGUARD_REPLAY=%s: the script ended before the replayed step was decided (%s):"
+                  " nothing was replayed, and no replay.json was written", replay.incident.path,
+                  f"{replay.forwards} forward(s) of the model ran" if replay.model_loaded else
+                  "the guarded model never ran a forward")
+
+
+def _other_script(event: Event, model: nn.Module) -> str | None:
+    """A note when the module the original event names is not of the type it was (a model of
+    another class with the same weights' names and shapes is another script), else None."""
+    modules = dict(model.named_modules())
+    name = event.layer if event.layer in modules else event.layer.rpartition(".")[0]
+    module = modules.get(name) if event.layer and event.module_type else None
+    if module is None or type_name(module) == event.module_type:
+        return None
+    return (f"the script's {name or 'model'} is a {type_name(module)}, the incident's was a {event.module_type}:"
+            " this is not the script that made the incident")
+
+
+def _unfed_note(forwards: int, model_loaded: bool, batches: list[Any] | None) -> str | None:
+    """Why the replayed step was not fed all the incident holds, or None."""
+    if forwards == 0 and model_loaded:  # its modules were called directly (a GAN's G and D)
+        return ("the model's root module ran no forward in this step (the script called its modules directly):"
+                " no batch was captured or fed, the script's own inputs were used")
+    if batches is not None and forwards < len(batches):
+        return (f"the script ran {forwards} forward(s) of the model in this step, the incident captured"
+                f" {len(batches)}: micro-batch(es) {forwards} to {len(batches) - 1} were never fed (replay with"
+                " the run's gradient accumulation)")
+    return None
+
+
+def _search(replay: Replay) -> dict[str, Any]:
+    """The bad samples of a replay's batch, or why they were not searched."""
+    why = _not_searchable(replay._root, replay.batches, replay.incident.manifest["sharded"], replay.world,
+                          replay._handed_over)
+    if why is not None:
+        return {"searched": False, "why_not": why}
+    model = unwrap(replay._root)
+    batches = [capture.to_device(b, devices.device_of(model)) for b in replay.batches]
+    used = getattr(replay, "_used", None)
+    return samples.search(model, batches, replay.rng, key=replay.settings.sample_id_key, skipped=replay._skipped,
+                          autocast=replay.autocast, outputs=used.indices() if used is not None else None)
+
+
+def _report(replay: Replay, event: Event | None, traces: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """The report of every rank's trace, saved into the incident (with the skip file) and printed."""
+    report = build_report(replay.incident, replay.world, event, traces, replay.layout)
+    _skip_file(replay.incident, report, replay.settings.sample_id_key)
+    path = None
+    try:
+        path = capture.record_replay(replay.incident.path, report)
+    except IncidentError as exc:
+        log.error("nanguard: replay report not saved: %s", exc)
+    print(render(report, path), flush=True)
+    return report, path
 
 
 def _unpersisted(state: dict[str, Any], model: nn.Module, path: str, notes: list[str]) -> list[tuple[str, torch.Tensor]]:

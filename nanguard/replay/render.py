@@ -153,6 +153,13 @@ def _micro_batch(entry: dict[str, Any]) -> str:
             text += f" (ids {', '.join(map(str, entry['ids'][:16]))})"
         if len(bad) == entry["size"]:
             text += " (every sample: the fault is not in particular samples)"
+    suspects = entry.get("suspects") or []
+    if suspects:
+        shown = ", ".join(map(str, suspects[:16])) + (" ..." if len(suspects) > 16 else "")
+        ids = entry.get("suspect_ids")
+        text += (f"; {len(suspects)} sample(s) bad alone only in a backward into every output, which the script's"
+                 f" loss may not all use: {shown}" + (f" (ids {', '.join(map(str, ids[:16]))})" if ids else "")
+                 + ", suspects, not named bad nor written to the skip file")
     if entry.get("rest_clean") is not None:
         text += "; the rest runs clean" if entry["rest_clean"] else "; the rest is still bad together"
     if entry.get("note"):

@@ -30,6 +30,7 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     suspect = _suspect(incident, original)
     own_data = any(t.get("own_data") for t in traces)
     bad_state = {t["rank"]: t["bad_state"] for t in traces if t.get("bad_state")}
+    unfed = _unfed(original, traces)
     if reproducible and None not in (event.micro_batch, original.micro_batch) and event.micro_batch != original.micro_batch:
         notes.append(f"found at micro-batch {event.micro_batch} here, at micro-batch {original.micro_batch} in the"
                      " original: the incident holds the state as it was at the stop, so what was written into"
@@ -40,14 +41,14 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
     other_rank = layout.alone and layout.part != original.rank
     return {
         "verdict": "reproducible" if reproducible else "not_reproducible",
-        "message": _message(original, event, reproducible, suspect, layout, own_data, bad_state),
+        "message": _message(original, event, reproducible, suspect, layout, own_data, bad_state, unfed),
         "incident": incident.name,
         "step": incident.step,
         "world_size": world,
         "original_event": original.to_dict(),
         "first_event": event.to_dict() if event is not None else None,
         "same": same,
-        "suspects": [] if reproducible or other_rank or own_data or bad_state else [suspect],
+        "suspects": [] if reproducible or other_rank or own_data or bad_state or unfed else [suspect],
         "own_data": own_data,
         "bad_state": {str(rank): names for rank, names in bad_state.items()},
         "trace": {str(t["rank"]): t["trace"] for t in traces},
@@ -60,8 +61,10 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
         "skip_file": None,
         "devices": _devices(incident, original, event, traces, reproducible, (
             "not fed all of the step's own data, the replay says nothing of the device" if own_data else
+            "the replay could not give the step all it had (see the message), so it says nothing of the device"
+            if unfed else
             "the captured state already held non-finite values, the replay says nothing of the device"
-            if bad_state else None)),
+            if bad_state else None), always=bool(bad_state)),
         "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
                      "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -74,9 +77,33 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def _unfed(original: Event, traces: list[dict[str, Any]]) -> list[str]:
+    """What of the original step a replay could not give it beside the incident's data (which
+    ``own_data`` covers): why one that ran clean says nothing of the hardware."""
+    reasons = []
+    if original.kind in ("loss", "check"):
+        reasons.append("the original value was found in the loss (or a tensor the script checked), which also takes"
+                       " what the incident does not hold (the labels, the targets): the script's own loader gave"
+                       " those here")
+    if any(t.get("host_rng_drawn") for t in traces):
+        reasons.append("the step drew from Python's or numpy's random generator (random, np.random: a layer drop,"
+                       " an augmentation), whose state as the step began the incident does not hold (it is read at"
+                       " the stop, after the step's draws), so it drew other numbers here")
+    if any(t.get("other_script") for t in traces):
+        reasons.append("the script's model is not the one that made the incident (see the notes)")
+    return reasons
+
+
 def _message(original: Event, event: Event | None, reproducible: bool, suspect: dict[str, Any],
-             layout: Layout, own_data: bool, bad_state: dict[int, list[str]]) -> str:
+             layout: Layout, own_data: bool, bad_state: dict[int, list[str]], unfed: list[str] = ()) -> str:
     where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
+    held = "; ".join(f"rank {rank}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                     for rank, names in sorted(bad_state.items()))
+    if reproducible and bad_state:
+        return (f"the same {where} happened again with the captured weights, batch and random state, which"
+                f" already held non-finite values before the step began ({held}): the step used them, it did not"
+                " make them; they were written by an earlier step let through, a checkpoint loaded, or code"
+                " between steps (see the trace)")
     if reproducible:
         return (f"the same {where} happened again with the captured weights, batch and random"
                 " state: a deterministic bug in the model, the data or the code (see the trace)")
@@ -86,8 +113,6 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
                 f" {original.rank}'s hardware (NANGUARD_REPLAY_RANK={original.rank} replays that rank)")
     found = "the step ran clean" if event is None else f"the replay found a different first event ({event})"
     if bad_state:
-        held = "; ".join(f"rank {rank}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-                         for rank, names in sorted(bad_state.items()))
         return (f"{found}, but the captured state already holds non-finite values ({held}): they were there"
                 " before the step began, so the step did not make them, and this replay says nothing of the"
                 " hardware that ran it. The replayed step did not use them as they were (something put"
@@ -100,6 +125,9 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
                 " of what the incident does not hold, or some of its micro-batches were never fed (see the"
                 f" notes). The original {where} may have come with that data, so this replay says nothing"
                 " of the hardware")
+    if unfed:
+        return (f"{found}, but {'; and '.join(unfed)}. The original {where} may have come from that, so this"
+                " replay says nothing of the hardware")
     if event is None:
         return (f"the step ran clean with the captured weights, batch and random state, so the "
                 f"original {where} did not recur: suspect a transient fault of the hardware that ran"
@@ -117,10 +145,11 @@ def _suspect(incident: Incident, original: Event) -> dict[str, Any]:
 
 
 def _devices(incident: Incident, original: Event, event: Event | None, traces: list[dict[str, Any]],
-             reproducible: bool, silent: str | None) -> dict[str, Any]:
+             reproducible: bool, silent: str | None, always: bool = False) -> dict[str, Any]:
     """The original device against this replay's (and earlier replays') for the rank that saw it.
-    A replay that cannot speak of it (``silent``: why, when it did not reproduce the event) leaves
-    the earlier replays' records as they were."""
+    A replay that cannot speak of it (``silent``: why, when it did not reproduce the event, or
+    whatever it found when ``always``: a state already bad) leaves the earlier replays' records as
+    they were."""
     try:
         earlier = devices.earlier_runs(incident.replay_report())
     except IncidentError:
@@ -129,7 +158,7 @@ def _devices(incident: Incident, original: Event, event: Event | None, traces: l
     if mine is None:
         return {"finding": "not_compared", "replayed": None, "replays": earlier,
                 "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
-    if silent is not None and not reproducible:
+    if silent is not None and (always or not reproducible):
         return {"finding": "not_compared", "replayed": mine, "replays": earlier, "message": silent}
     run = {**mine, "rank": original.rank, "bad": event is not None, "reproducible": reproducible,
            "time": _now()}

@@ -3,14 +3,19 @@ each micro-batch, split in halves along the batch dimension (bisection), within 
 
 What a run checks: every module's output in the forward and, when the whole micro-batch was bad
 only in backward, the parameters' gradients of a backward of ones into the model's outputs (the
-script's loss is not nanguard's to run). A sample is named bad only when it was run alone and
-went bad. Runs leave the model, the optimizer and the RNG as they were (``quiet``); each starts
-from the step's captured RNG state.
+script's loss is not nanguard's to run): into those of the root forward's outputs that received a
+gradient in the replayed step's own backward (``UsedOutputs``), or into every output where that is
+not known; a sample bad alone only in a backward into every output of several is not named bad
+(the loss may never use the output that made it bad): it is a suspect. A sample is named bad only
+when it was run alone and went bad. Runs leave the model, the optimizer and the RNG as they were
+(``quiet``); each starts from the step's captured RNG state.
 
 Bisection assumes that a part is bad when it holds a bad sample. A model that mixes samples
 breaks that: BatchNorm in train mode normalises with the statistics of whatever batch it is
-given, so a part's statistics differ from the batch's. The search says so when it finds such
-modules, and when a part was bad though neither of its halves was ("bad only together").
+given, so a part's statistics differ from the batch's; dropout in train mode draws its masks
+anew for each part's shape, so a part's masks are not the step's. The search says so when such
+modules ran in its runs, and when a part was bad though neither of its halves was ("bad only
+together").
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ CLEAN, FORWARD, BACKWARD, CAPPED = "clean", "forward", "backward", "capped"
 CHECKED = {False: "every module's output",
            True: "every module's output, and the parameters' gradients of a backward of ones into the"
                  " model's outputs (not the script's loss)"}
+USED = ("every module's output, and the parameters' gradients of a backward of ones into the model's outputs"
+        " that received a gradient in the step's backward ({outputs} of its {count} floating output(s); not the"
+        " script's loss)")
 
 
 def autocast_now() -> list[tuple[str, torch.dtype]]:
@@ -112,30 +120,90 @@ def _find(obj: Any, key: str, depth: int) -> Any:
     return _MISSING
 
 
-def mixing(model: nn.Module) -> list[str]:
-    """Modules that make one sample's output depend on the others'."""
-    norms = [name or "<root>" for module, name in plain_names(model).items()
+def mixing(model: nn.Module, ran: set[nn.Module] | None = None) -> list[str]:
+    """Modules that make one sample's output depend on the others', or on the part's shape (random
+    masks), of those in ``ran`` (the modules called in the search's runs; None: every module)."""
+    names = {m: n or "<root>" for m, n in plain_names(model).items() if ran is None or m in ran}
+    norms = [name for module, name in names.items()
              if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
-    if not norms:
-        return []
-    return [f"{len(norms)} BatchNorm module(s) in train mode ({', '.join(norms[:3])}) normalise with the"
-            " statistics of the whole batch: one bad sample spoils every sample's output, and a part's"
-            " statistics are not the batch's, so a sample named here is bad with the statistics of the parts"
-            " it was run in"]
+    notes = []
+    if norms:
+        notes.append(f"{len(norms)} BatchNorm module(s) in train mode ({', '.join(norms[:3])}) normalise with the"
+                     " statistics of the whole batch: one bad sample spoils every sample's output, and a part's"
+                     " statistics are not the batch's, so a sample named here is bad with the statistics of the"
+                     " parts it was run in")
+    drawing = random_modules(names)
+    if drawing:
+        notes.append(f"{len(drawing)} module(s) that draw random numbers in train mode ({', '.join(drawing[:3])}):"
+                     " every run starts from the step's RNG state, but the masks are drawn anew for each part's"
+                     " shape, so a sample bad under the step's own masks may be found bad only together, or not at"
+                     " all, and a sample named here is bad under the masks of the parts it was run in")
+    return notes
+
+
+def random_modules(names: Mapping[nn.Module, str]) -> list[str]:
+    """The names of the modules of ``names`` that draw random numbers in their forward: dropout
+    (any kind, p > 0) and RReLU in train mode."""
+    return [name for module, name in names.items() if module.training and (
+        (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+        or (isinstance(module, nn.RReLU) and module.lower != module.upper))]
+
+
+class UsedOutputs:
+    """A forward hook for the replayed step's root module: tensor hooks on the floating outputs
+    (by index in ``floating_tensors``) of its first forward after ``arm()``, which note the ones
+    that receive a gradient in the step's own backward (the script's loss's)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.count = 0
+        self.used: set[int] = set()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        floats = floating_tensors(output)
+        self.count = len(floats)
+        for i, tensor in enumerate(floats):
+            if tensor.requires_grad:
+                tensor.register_hook(self._noted(i))
+
+    def _noted(self, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            self.used.add(index)
+
+        return hook
+
+    def indices(self) -> list[int] | None:
+        """The outputs that received a gradient, or None where none did (not known)."""
+        return sorted(self.used) or None
 
 
 class Runner:
     """Runs the model on one part of a micro-batch and says how it went; counts runs up to a cap."""
 
     def __init__(self, model: nn.Module, rng: Any, skipped: set[str], max_runs: int,
-                 autocast: Sequence[tuple[str, torch.dtype]] = ()):
+                 autocast: Sequence[tuple[str, torch.dtype]] = (), outputs: Sequence[int] | None = None):
         self.model = model
         self.rng = rng
         self.autocast = autocast
-        self.names = {m: n for m, n in plain_names(model).items() if n not in skipped}
+        self.modules = plain_names(model)
+        self.names = {m: n for m, n in self.modules.items() if n not in skipped}
         self.max_runs = max_runs
         self.runs = 0
         self.capped = False
+        self.ran: set[nn.Module] = set()
+        """the modules called in the runs so far"""
+        self.outputs = set(outputs) if outputs else None
+        """the indices (in ``floating_tensors``) of the outputs a backward goes into; None: every one"""
+        self.into_every = 0
+        """backward runs that went into every output of several (the used ones not known or not found)"""
+        self.output_count = 0
+        """the most floating outputs a run's forward returned"""
 
     def run(self, batch: Mapping[str, Any], backward: bool) -> str:
         """CLEAN, FORWARD (a module's output was non-finite), BACKWARD (a parameter's gradient),
@@ -146,7 +214,7 @@ class Runner:
         self.runs += 1
         rng_restore(self.rng)
         bad: list[str] = []
-        handles = [m.register_forward_hook(_check(bad)) for m in self.names]
+        handles = [m.register_forward_hook(_check(bad, self.ran, m in self.names)) for m in self.modules]
         buffers = saved_buffers(self.model)
         try:
             with torch.enable_grad(), contextlib.ExitStack() as regions:
@@ -167,7 +235,14 @@ class Runner:
             restore_buffers(buffers)
 
     def _bad_gradients(self, out: Any) -> bool:
-        outputs = [t for t in floating_tensors(out) if t.requires_grad]
+        floats = floating_tensors(out)
+        self.output_count = max(self.output_count, len(floats))
+        used = self.outputs
+        if used is not None and (max(used) >= len(floats) or not any(floats[i].requires_grad for i in used)):
+            used = None  # the step's outputs do not match this run's: every output, and said
+        outputs = [t for i, t in enumerate(floats) if t.requires_grad and (used is None or i in used)]
+        if used is None and len(outputs) > 1:
+            self.into_every += 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not outputs or not params:
             return False
@@ -177,30 +252,37 @@ class Runner:
         return any(g is not None and not forensics.is_finite(g) for g in grads)
 
 
-def _check(bad: list[str]):
+def _check(bad: list[str], ran: set[nn.Module], check: bool):
     def hook(module, args, output):
-        if not bad and not all(forensics.is_finite(t) for t in floating_tensors(output)):
+        ran.add(module)
+        if check and not bad and not all(forensics.is_finite(t) for t in floating_tensors(output)):
             bad.append("bad")
 
     return untraced(hook)  # (a model compiled in place runs it inside its frame: reads are not traced)
 
 
 def search(model: nn.Module, batches: list[Any], rng: Any, *, key: str | None, skipped: set[str],
-           max_runs: int = MAX_RUNS, autocast: Sequence[tuple[str, torch.dtype]] = ()) -> dict[str, Any]:
+           max_runs: int = MAX_RUNS, autocast: Sequence[tuple[str, torch.dtype]] = (),
+           outputs: Sequence[int] | None = None) -> dict[str, Any]:
     """Each micro-batch run again whole, and a bad one split until its bad samples are found
-    alone (or the cap of runs is reached); under ``autocast`` (``autocast_now()`` in the step)."""
-    runner = Runner(model, rng, skipped, max_runs, autocast)
+    alone (or the cap of runs is reached); under ``autocast`` (``autocast_now()`` in the step).
+    ``outputs``: the indices (in ``floating_tensors``) of the model's outputs that received a
+    gradient in the step's backward (``UsedOutputs``), the only ones a run's backward goes into;
+    None: not known, every output."""
+    runner = Runner(model, rng, skipped, max_runs, autocast, outputs)
     with quiet(model):
         found = [_search_one(runner, k, batch, key) for k, batch in enumerate(batches)]
     return {"searched": True, "runs": runner.runs, "max_runs": max_runs, "capped": runner.capped,
-            "micro_batches": found, "mixing": mixing(model), "sample_id_key": key,
+            "micro_batches": found, "mixing": mixing(model, runner.ran), "sample_id_key": key,
+            "outputs": sorted(set(outputs)) if outputs else None,
             "autocast": [f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast]}
 
 
 def _search_one(runner: Runner, index: int, batch: Mapping[str, Any], key: str | None) -> dict[str, Any]:
     size = batch_size(batch)
     entry: dict[str, Any] = {"micro_batch": index, "size": size, "outcome": None, "checked": None, "bad": [],
-                             "ids": None, "unresolved": [], "rest_clean": None, "note": None}
+                             "ids": None, "unresolved": [], "rest_clean": None, "note": None, "suspects": [],
+                             "suspect_ids": None}
     if size is None:
         entry["note"] = "no tensor with a batch dimension in it: not searched"
         return entry
@@ -210,47 +292,63 @@ def _search_one(runner: Runner, index: int, batch: Mapping[str, Any], key: str |
             entry.update(outcome="error", note=f"the whole micro-batch did not run again: {outcome}")
         return entry
     backward = outcome == BACKWARD
-    entry["checked"] = CHECKED[backward]
-    bad, unresolved = _bisect(runner, batch, size, backward)
-    entry.update(bad=bad, unresolved=unresolved)
-    if bad and not unresolved and len(bad) < size:
-        rest = sorted(set(range(size)) - set(bad))
+    every_before = runner.into_every
+    found, unresolved = _bisect(runner, batch, size, backward)
+    into_every = runner.into_every > every_before
+    if not backward:
+        entry["checked"] = CHECKED[False]
+    elif into_every or runner.outputs is None:
+        entry["checked"] = CHECKED[True]
+    else:
+        entry["checked"] = USED.format(outputs="output(s) " + ", ".join(map(str, sorted(runner.outputs))),
+                                       count=runner.output_count)
+    # a sample bad alone only in a backward into every output of several: the step's loss may never
+    # use the output that made it bad, so it is not named bad (nor written to the skip file)
+    suspects = sorted(i for i, o in found.items() if o == BACKWARD and into_every)
+    bad = sorted(i for i in found if i not in suspects)
+    entry.update(bad=bad, unresolved=unresolved, suspects=suspects)
+    if found and not unresolved and len(found) < size:
+        rest = sorted(set(range(size)) - set(found))
         rest_outcome = runner.run(part(batch, rest, size), backward)
         entry["rest_clean"] = None if rest_outcome == CAPPED else rest_outcome == CLEAN
     if key is not None:
         ids, entry["note"] = sample_ids(batch, key, size)
         entry["ids"] = None if ids is None else [ids[i] for i in bad]
+        entry["suspect_ids"] = None if ids is None or not suspects else [ids[i] for i in suspects]
     return entry
 
 
 def _bisect(runner: Runner, batch: Mapping[str, Any], size: int, backward: bool
-            ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Halves of bad parts, breadth first: the bad samples found alone, and the parts that could
-    not be split further (with why)."""
-    bad: list[int] = []
+            ) -> tuple[dict[int, str], list[dict[str, Any]]]:
+    """Halves of bad parts, breadth first: the bad samples found alone (with how each went bad:
+    FORWARD or BACKWARD), and the parts that could not be split further (with why)."""
+    bad: dict[int, str] = {}
     unresolved: list[dict[str, Any]] = []
-    queue = deque([(0, size)])
+    queue = deque([(0, size, BACKWARD if backward else FORWARD)])
     while queue:
-        lo, hi = queue.popleft()
+        lo, hi, how = queue.popleft()
         if hi - lo == 1:
-            bad.append(lo)
+            bad[lo] = how
             continue
         halves = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
         outcomes = [runner.run(part(batch, list(range(a, b)), size), backward) for a, b in halves]
         if CAPPED in outcomes:
             unresolved += [_group(a, b, f"not split further: the cap of {runner.max_runs} runs was reached")
-                           for a, b in [(lo, hi), *queue]]
+                           for a, b, _ in [(lo, hi, how), *queue]]
             break
         failed = [(h, o) for h, o in zip(halves, outcomes) if o not in (CLEAN, FORWARD, BACKWARD)]
         if len(failed) == len(halves):
             failed = [((lo, hi), failed[0][1])]  # neither half runs alone: the part stays whole
         unresolved += [_group(a, b, f"could not run alone: {o}") for (a, b), o in failed]
-        bad_halves = [h for h, o in zip(halves, outcomes) if o in (FORWARD, BACKWARD)]
+        bad_halves = [(a, b, o) for (a, b), o in zip(halves, outcomes) if o in (FORWARD, BACKWARD)]
         if not bad_halves and not failed:
-            unresolved.append(_group(lo, hi, "bad only together: neither half alone is bad (the model mixes"
-                                             " samples, or the fault needs several of them)"))
+            drawing = random_modules({m: n or "<root>" for m, n in runner.modules.items() if m in runner.ran})
+            why = (f"{', '.join(drawing[:3])} in train mode draw(s) random masks anew for each part's shape, not"
+                   " the step's own masks; or the model mixes samples, or the fault needs several"
+                   " of them") if drawing else "the model mixes samples, or the fault needs several of them"
+            unresolved.append(_group(lo, hi, f"bad only together: neither half alone is bad ({why})"))
         queue.extend(bad_halves)
-    return sorted(bad), unresolved
+    return dict(sorted(bad.items())), unresolved
 
 
 def _group(start: int, stop: int, why: str) -> dict[str, Any]:

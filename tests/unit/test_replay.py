@@ -650,3 +650,107 @@ def test_a_model_compiled_in_place_replays(monkeypatch):
     assert exit_info.value.code == 0
     report = read_incident(err.incident).replay_report()
     assert report["verdict"] == "reproducible" and report["first_event"]["layer"] == "1", report["message"]
+
+
+# ---------------------------------------------------------------------- what a replay cannot give the step
+def replayed_twice(monkeypatch, script, **kwargs) -> tuple[str, dict]:
+    """``script(**kwargs)`` stops; run again under NANGUARD_REPLAY: (the incident, the report)."""
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        script(**kwargs)
+    monkeypatch.setenv("NANGUARD_REPLAY", info.value.incident)
+    with pytest.raises(SystemExit) as finished:
+        script(**kwargs)
+    assert finished.value.code == 0
+    monkeypatch.delenv("NANGUARD_REPLAY")
+    return info.value.incident, read_incident(info.value.incident).replay_report()
+
+
+def drawing_script(source: str = "python", optimizer: type = torch.optim.SGD, labels_bad_at: int | None = None):
+    """A forward that takes a buggy branch when Python's (or numpy's) generator, seeded, draws low:
+    step 3, every run; or labels all ignored at ``labels_bad_at`` (the loss is NaN: no draw)."""
+    import random
+
+    import numpy as np
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            draw = random.random() if source == "python" else float(np.random.rand())
+            return self.fc(torch.log(x - 10) if draw < 0.3 and labels_bad_at is None else x)
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = Drop()
+    opt = optimizer(model.parameters(), lr=0.1)
+    with nanguard.init(model, opt) as guard:
+        for step in range(6):
+            x = torch.rand(8, 4) + 0.5
+            y = torch.full((8,), -100 if step == labels_bad_at else 1)
+            loss = nn.functional.cross_entropy(model(x), y)
+            guard.check(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_step_that_draws_from_pythons_generator_is_not_blamed_on_the_hardware(monkeypatch):
+    # python's and numpy's states are read at the stop (reading them at every step start costs 9 and
+    # 80 us): the replayed step drew other numbers, which the report says instead of naming a suspect
+    _, report = replayed_twice(monkeypatch, drawing_script)
+    assert report["verdict"] == "not_reproducible" and report["suspects"] == []
+    assert "the step drew from Python's or numpy's random generator" in report["message"]
+    assert "says nothing of the hardware" in report["message"] and report["devices"]["finding"] == "not_compared"
+
+
+def test_a_loss_made_non_finite_by_its_labels_is_not_blamed_on_the_hardware(monkeypatch):
+    # every label ignored makes cross_entropy NaN; a replay feeds the captured batch, but the labels
+    # are the script's loader's own
+    _, report = replayed_twice(monkeypatch, drawing_script, labels_bad_at=2)
+    assert report["original_event"]["kind"] == "loss" and report["suspects"] == []
+    assert "the original value was found in the loss" in report["message"]
+
+
+def test_another_kind_of_optimizer_is_another_script_and_is_refused(monkeypatch):
+    with pytest.raises(nanguard.NonFiniteError) as info:
+        drawing_script()
+    monkeypatch.setenv("NANGUARD_REPLAY", info.value.incident)
+    with pytest.raises(IncidentError, match="another kind of optimizer than the script's Adam.*not the script"):
+        drawing_script(optimizer=torch.optim.Adam)
+
+
+def test_a_state_already_bad_says_so_when_the_replay_reproduces_it(monkeypatch):
+    def script():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanguard.init(model, opt):
+            for step in range(4):
+                if step == 2:
+                    with torch.no_grad():  # (a checkpoint loaded between steps, say)
+                        model[2].weight[0, 0] = math.nan
+                model(torch.rand(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    _, report = replayed_twice(monkeypatch, script)
+    assert report["verdict"] == "reproducible" and report["bad_state"] == {"0": ["2.weight"]}
+    assert "already held non-finite values before the step began (rank 0: 2.weight)" in report["message"]
+    assert report["devices"]["finding"] == "not_compared"
+
+
+def test_a_replay_that_never_reaches_the_step_says_so_at_exit(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {"NANGUARD_DIR": str(tmp_path / "inc"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    assert subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=120).returncode
+    (incident,) = (tmp_path / "inc").iterdir()
+    script.write_text(textwrap.dedent(SCRIPT).replace("range(10)", "range(0)"))  # an empty loader, say
+    second = subprocess.run([sys.executable, str(script)], env={**env, "NANGUARD_REPLAY": str(incident)},
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0 and "loop ended" in second.stdout
+    assert "the script ended before the replayed step was decided" in second.stderr, second.stderr
+    assert read_incident(str(incident)).replay_report() is None

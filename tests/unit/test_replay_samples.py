@@ -252,3 +252,114 @@ def test_ids_are_found_in_keywords_fields_and_lists():
     whole = {"args": (torch.zeros(4, 2), torch.ones(7)), "kwargs": {"mask": torch.ones(4, 4)}}
     half = samples.part(whole, [1, 3], 4)
     assert half["args"][0].shape == (2, 2) and half["args"][1].shape == (7,) and half["kwargs"]["mask"].shape == (2, 4)
+
+
+class UnusedNorm(nn.Module):
+    """A BatchNorm registered but never called: nothing mixes the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = RootOfFirst()
+        self.unused = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_batchnorm_that_never_ran_is_not_named(monkeypatch):
+    batch = lambda s: poisoned(s, size=8, bad=(5,))  # noqa: E731
+    err = run(UnusedNorm, lambda s: (batch(s)[0]["x"], batch(s)[1]))
+    report = replay(monkeypatch, err.incident, UnusedNorm, lambda s: (batch(s)[0]["x"], batch(s)[1]))
+    found = report["samples"]["0"]
+    assert found["micro_batches"][0]["bad"] == [5]
+    assert found["mixing"] == []
+
+
+class Dropped(nn.Module):
+    """0/0 where dropout zeroed an element: a sample is bad under the step's own masks only."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.fc = nn.Dropout(0.05), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.drop(x[:, :4])
+        return self.fc(torch.cat([x[:, 4:], h / h], 1))
+
+
+def positive(step: int):
+    gen = torch.Generator().manual_seed(step)
+    return torch.rand(8, 8, generator=gen) + 0.5, torch.randint(0, 4, (8,), generator=gen)
+
+
+def test_dropout_redrawn_for_each_part_is_said(monkeypatch, capsys):
+    err = run(Dropped, positive)
+    assert err is not None
+    report = replay(monkeypatch, err.incident, Dropped, positive)
+    found = report["samples"]["0"]
+    (note,) = found["mixing"]
+    assert "random numbers in train mode (drop)" in note and "drawn anew for each part's shape" in note
+    together = [g for g in found["micro_batches"][0]["unresolved"] if g["why"].startswith("bad only together")]
+    assert together  # the masks moved: parts bad whole, neither half bad
+    assert all("drop in train mode draw(s) random masks anew" in g["why"] for g in together)
+    assert "mixing: 1 module(s) that draw random numbers" in capsys.readouterr().out
+
+
+class TwoHeads(nn.Module):
+    """A backward-only fault (sqrt's gradient at 0) through ``main`` for a sample with x[:, 1] == 0,
+    and through ``aux``, which the script's loss never uses, for one with x[:, 2] == 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, batch):
+        s = batch["x"] * self.scale
+        return self.fc(batch["x"]) + torch.sqrt(s[:, 1:2]), torch.sqrt(s[:, 2:3])
+
+
+def two_heads(step: int):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.rand(8, 4, generator=gen) + 0.5
+    if step == 1:
+        x[3, 1] = x[6, 2] = 0.0
+    return {"x": x, "index": torch.arange(8) + 100 * step}, torch.randint(0, 4, (8,), generator=gen)
+
+
+def main_only(out, y):
+    return nn.functional.cross_entropy(out[0], y)
+
+
+def test_the_backward_goes_into_the_outputs_the_loss_used(monkeypatch, capsys):
+    kwargs = {"init_kwargs": {"sample_id_key": "index"}, "loss": main_only}
+    err = run(TwoHeads, two_heads, **kwargs)
+    assert err is not None and err.event.step == 1
+    report = replay(monkeypatch, err.incident, TwoHeads, two_heads, **kwargs)
+    found = report["samples"]["0"]
+    assert found["outputs"] == [0]
+    (entry,) = found["micro_batches"]
+    assert entry["outcome"] == "backward" and entry["bad"] == [3] and entry["suspects"] == []
+    assert "received a gradient in the step's backward (output(s) 0 of its 2" in entry["checked"]
+    assert entry["rest_clean"] is True
+    assert report["bad_samples"] == [{"rank": 0, "micro_batch": 0, "index": 3, "id": 103}]
+    assert nanguard.skip_list(err.incident) == {103}  # sample 6 (id 106) is harmless for this loss
+    capsys.readouterr()
+
+
+def test_a_backward_into_every_output_names_suspects_only():
+    """Where the outputs the loss used are not known, a sample bad alone only in a backward into
+    every output is a suspect, not a bad sample."""
+    x = two_heads(1)[0]
+    batch = {"args": (x,), "kwargs": {}}
+    rng = {"python": __import__("random").getstate(), "numpy": None, "torch": torch.get_rng_state(), "cuda": []}
+    unknown = samples.search(TwoHeads(), [batch], rng, key="index", skipped=set())
+    (entry,) = unknown["micro_batches"]
+    assert entry["outcome"] == "backward" and entry["checked"] == samples.CHECKED[True]
+    assert entry["bad"] == [] and entry["ids"] == [] and entry["suspects"] == [3, 6]
+    assert entry["suspect_ids"] == [103, 106] and entry["rest_clean"] is True
+    from nanguard.replay.render import sample_lines
+    assert "2 sample(s) bad alone only in a backward into every output" in " ".join(sample_lines(unknown))
+    known = samples.search(TwoHeads(), [batch], rng, key="index", skipped=set(), outputs=[0])
+    (entry,) = known["micro_batches"]
+    assert entry["bad"] == [3] and entry["ids"] == [103] and entry["suspects"] == []
