@@ -27,7 +27,7 @@ from .manifest import (
     VERDICTS,
 )
 from .reader import Incident, read_incident
-from .rng import host_fingerprint, rng_restore, rng_snapshot
+from .rng import rng_restore, rng_snapshot
 from .writer import (
     Collectives,
     RankPart,
@@ -64,7 +64,6 @@ __all__ = [
     "new_incident_dir",
     "read_incident",
     "record_replay",
-    "host_fingerprint",
     "rng_restore",
     "rng_snapshot",
     "to_cpu",

@@ -21,6 +21,7 @@ from ..errors import NanguardError, ReplayFinished
 from ..events import Event
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
+from ..incident.rng import host_fingerprint
 from ..rank import forensics
 from ..rank.detector import skipped
 from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, dtensor, is_wrapper,
@@ -425,7 +426,7 @@ class Replay(StepObserver):
         self.forwards += 1
         if index == 0:
             self.notes.extend(capture.rng_restore(self.rng))
-            self._host_rng = capture.host_fingerprint()
+            self._host_rng = host_fingerprint()
             self.autocast = samples.autocast_now()
             if getattr(self, "_used", None) is not None:
                 self._used.arm()  # the outputs of this forward that the step's loss backpropagates through
@@ -484,7 +485,7 @@ class Replay(StepObserver):
             notes.append(unfed)
         if self.layout.alone and event is not None:
             event = dataclasses.replace(event, rank=self.rank)  # the rank whose part ran
-        drawn = self._host_rng is not None and capture.host_fingerprint() != self._host_rng
+        drawn = self._host_rng is not None and host_fingerprint() != self._host_rng
         payload = {"rank": self.rank, "trace": self.trace.records, "notes": self.notes + notes,
                    "own_data": self.own_data, "bad_state": self.bad_state, "host_rng_drawn": drawn,
                    "other_script": self.other_script,
