@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ class Guard:
         self._identity = RankInfo.from_env()
         self._collectives = collectives or Collectives()
         self._clock = StepClock(optimizer_seen=bool(optimizers))
+        self._skipped_in_a_row, self._told_at = 0, 0  # (steps a GradScaler skipped; a run of them warned of)
         self._observer = observer or StepObserver()
         self._events = EventLog(settings.max_events)
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
@@ -275,8 +277,16 @@ class Guard:
         # a step the scaler skipped was never decided, nor counted: it counts, and is decided from
         # the forward's checks (every rank's scaler skips the same steps: it reads summed gradients)
         stepped, self._clock.stepped = self._clock.stepped, False
+        self._skipped_in_a_row = 0 if stepped else self._skipped_in_a_row + 1
+        self._told_at = 0 if stepped else self._told_at
         if stepped or self._closed:
             return
+        if self._skipped_in_a_row >= 2 and self._skipped_in_a_row > self._told_at:  # (read on a run of skips only)
+            scale = float(self._respond.states["scaler"].get_scale())
+            if scale < 1.0:  # gradients non-finite even scaled down: no overflow of the scale's making
+                self._told_at = math.inf  # (once a run of skips)
+                self._respond.scaler_streak(self._skipped_in_a_row, scale, self._detector.log.produced,
+                                            self._decider._event)
         counted = self._clock.skipped()
         try:
             if self._detector.pending:

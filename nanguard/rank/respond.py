@@ -197,6 +197,26 @@ class Responder:
                                lr=float(lr) if isinstance(lr, (int, float)) else None, step_time_s=step_time,
                                norms=norms, params=owners, name=self.param_name)
 
+    def scaler_streak(self, skipped: int, scale: float, produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+                      make: Callable[..., Event]) -> None:
+        """The GradScaler skipped ``skipped`` steps in a row and its ``scale`` fell below 1: gradients
+        non-finite even scaled down are no overflow, and nothing is updated. A warning event (it
+        stops nothing: the scaler's skips are its own), with the gradients the last backward pass
+        left non-finite (``produced``: read here, once a run of skips)."""
+        owners, norms = produced if produced is not None else ([], [])
+        bad = [(self.param_name(p), float(n)) for p, n in zip(owners, norms) if not math.isfinite(float(n))]
+        which = (f"{len(bad)} of {len(owners)} parameter gradients were non-finite as the last backward pass left"
+                 f" them ({'NaN' if any(math.isnan(n) for _, n in bad) else 'infinite'}), among them"
+                 f" {', '.join(name for name, _ in bad[:4])}" if bad else
+                 "which gradients were non-finite is not known (the last backward pass left none that were)")
+        event = make({"kind": "grad_norm", "layer": bad[0][0] if bad else "", "message": (
+            f"the GradScaler skipped {skipped} optimizer steps in a row, and its scale is now {scale:g}: gradients"
+            " non-finite even scaled down are not an overflow of the scale's making, and no update happens"
+            f" until this is fixed; {which}")})
+        self.events.add(event)
+        self.reporter.note(event, "warn")
+        log.warning("nanguard: %s", event)
+
     def watch_norms(self, norms: list[float], owners: list[torch.Tensor], make: Callable[..., Event]) -> None:
         """Grad-norm guard: warn on a threshold and on a spike over the running level."""
         if not all(map(math.isfinite, norms)):

@@ -809,3 +809,30 @@ def test_a_closure_that_goes_bad_in_a_later_call_leaves_the_step_as_it_began(on_
         assert all(same(now[0][key], value) for key, value in state["state"][0].items()), (now, state)
         saved = read_incident(guard.incident).rank_state(0)["model"]
         assert all(torch.equal(saved[name], value) for name, value in weights.items())
+
+
+def test_a_grad_scaler_that_skips_every_step_for_a_backward_nan_is_warned_of_once():
+    """A NaN born in the backward pass of every step: the scaler skips each one and halves its
+    scale, for ever, and no update happens. That is not an overflow once the scale is below 1:
+    one warning (a grad_norm event, which stops nothing) names the gradients, and training goes on
+    as the scaler decides."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    before = copy.deepcopy(model.state_dict())
+    with nanguard.init(model, optimizer, scaler=scaler) as guard:
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(16, 8))
+            loss = nn.functional.cross_entropy(NanBackward.apply(out.float()), torch.randint(0, 4, (16,)))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        (event,) = guard.events
+    # skipped with scales 16, 8, 4, 2, 1 (halved to 0.5 after the fifth): told then, once
+    assert (event.kind, event.step, event.layer) == ("grad_norm", 4, "0.weight"), event
+    assert "the GradScaler skipped 5 optimizer steps in a row, and its scale is now 0.5" in event.message
+    assert "4 of 4 parameter gradients were non-finite as the last backward pass left them (NaN)" in event.message
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())  # no update ran
