@@ -292,6 +292,7 @@ class Replay(StepObserver):
         self.bad_state: list[str] = []
         """the model's captured tensors that were non-finite already (before the step)"""
         self.finished = False
+        self._used: samples.UsedOutputs | None = None  # (made at ``_install``)
         self._host_rng: tuple | None = None
         """Python's and numpy's random states as the step's first forward began (``host_fingerprint``)"""
         self.other_script = False
@@ -428,7 +429,7 @@ class Replay(StepObserver):
             self.notes.extend(capture.rng_restore(self.rng))
             self._host_rng = host_fingerprint()
             self.autocast = samples.autocast_now()
-            if getattr(self, "_used", None) is not None:
+            if self._used is not None:
                 self._used.arm()  # the outputs of this forward that the step's loss backpropagates through
         fed = self._batch(root, index, args, kwargs)
         if index == 0 and self.ops is not None:
@@ -569,7 +570,7 @@ def _search(replay: Replay) -> dict[str, Any]:
         return {"searched": False, "why_not": why}
     model = unwrap(replay._root)
     batches = [capture.to_device(b, devices.device_of(model)) for b in replay.batches]
-    used = getattr(replay, "_used", None)
+    used = replay._used
     return samples.search(model, batches, replay.rng, key=replay.settings.sample_id_key, skipped=replay._skipped,
                           autocast=replay.autocast, outputs=used.indices() if used is not None else None)
 
