@@ -110,7 +110,8 @@ class Guard:
         self._handles += self._watch.install()
         # A guard is held by its models' and optimizers' hooks (and a bare init()'s by the process):
         # one never closed goes with them, and takes its process-wide hooks along
-        self._finalizer = weakref.finalize(self, _let_go, self._handles, self._detector.registrations, id(self))
+        self._finalizer = weakref.finalize(self, _let_go, self._handles, self._detector.registrations, self._reporter,
+                                           id(self))
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -377,24 +378,26 @@ def _prefix(roots: list[tuple[Callable[[], nn.Module | None], str]], root: nn.Mo
                 if (name := cls.__name__ if n == 1 else f"{cls.__name__}#{n}") not in taken)
 
 
-_GONE: list[tuple[list[Any], list[Any], int]] = []
-"""(hook handles, registration handles, id) of guards gone without ``close()``, let go of at the
-next ``init()``: a finalizer runs amid whatever the process is doing (an optimizer going through
-torch's dict of step hooks, a thread holding the registry's lock), so it only appends here"""
+_GONE: list[tuple[list[Any], list[Any], Reporter, int]] = []
+"""(hook handles, registration handles, reporter, id) of guards gone without ``close()``, let go of
+at the next ``init()``: a finalizer runs amid whatever the process is doing (an optimizer going
+through torch's dict of step hooks, a thread holding the registry's lock, the reporter's own
+thread), so it only appends here"""
 
 
-def _let_go(handles: list[Any], registrations: list[Any], guard_id: int) -> None:
+def _let_go(handles: list[Any], registrations: list[Any], reporter: Reporter, guard_id: int) -> None:
     """A guard never closed is gone with every model and optimizer it guarded (a trial of a sweep,
     a notebook cell run again); its process-wide hooks, which hold it weakly, do nothing from now
-    on, and go at the next ``init()`` (``_GONE``)."""
-    _GONE.append((handles, registrations, guard_id))
+    on, and go at the next ``init()`` (``_GONE``), with its link to the coordinator."""
+    _GONE.append((handles, registrations, reporter, guard_id))
 
 
 def _forget_gone() -> None:
     while _GONE:
-        handles, registrations, guard_id = _GONE.pop()
+        handles, registrations, reporter, guard_id = _GONE.pop()
         for handle in [*handles, *registrations]:
             handle.remove()
+        reporter.close(clean=True)  # (its training ended: nothing of it is left to step)
         REGISTRY.forget(guard_id)
 
 

@@ -107,6 +107,39 @@ def test_a_guard_never_closed_goes_with_its_model_and_optimizer_and_its_process_
     assert all(ref() is None for ref in guards)
 
 
+def test_a_guard_never_closed_closes_its_coordinator_link_at_the_next_init(monkeypatch):
+    # each unclosed trial of a sweep run with a coordinator kept its link (a socket and a sender
+    # thread) until the process exited
+    import gc
+    import socket
+    import threading
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    before = set(threading.enumerate())
+    monkeypatch.setenv("NANGUARD_COORDINATOR", f"tcp://127.0.0.1:{port}")  # (nobody there: links wait)
+
+    def trial():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        nanguard.init(model, optimizer)
+        train_step(model, optimizer)
+
+    for _ in range(4):
+        trial()
+    links = [thread for thread in threading.enumerate() if thread not in before]
+    assert len(links) == 4  # (the links' sender threads)
+    monkeypatch.delenv("NANGUARD_COORDINATOR")
+    gc.collect()
+    gc.collect()  # (what the first collection freed lets the last guards go)
+    other = make_mlp()
+    with nanguard.init(other, torch.optim.SGD(other.parameters(), lr=0.1)):  # lets go of the gone ones
+        for thread in links:
+            thread.join(timeout=10)
+        assert not any(thread.is_alive() for thread in links)
+
+
 def test_a_guard_nobody_keeps_guards_as_long_as_its_model_and_optimizer_live():
     import gc
 
