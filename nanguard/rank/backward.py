@@ -202,7 +202,10 @@ class BackwardWatch:
         log = self.log
         if log.buckets and (not log.bucket_passes or log.bucket_passes[-1] < len(log.buckets)):
             log.bucket_passes.append(len(log.buckets))
-        owners, norms = self.log.produced = gradient_norms(self.params())
+        owners, norms = gradient_norms(self.params())
+        # a pass that left no gradient is none (torch.autograd.grad's: the script assigns what it
+        # returned to .grad itself, as functional training does; they are read as the step takes them)
+        self.log.produced = (owners, norms) if owners else None
         self.log.left = {id(p): (p.grad, version_of(p.grad)) for p in owners}
 
 

@@ -255,7 +255,7 @@ def changed_gradients(owners: list[torch.Tensor], log: StepLog,
     script's own division can make a finite gradient non-finite after the backward pass. With
     several ranks (``summed``) they are read again whatever their versions say: a collective
     writes into a tensor without counting a version."""
-    if log.produced is None or not log.produced[0] or (not summed and as_left(owners, log.left)):
+    if log.produced is None or (not summed and as_left(owners, log.left)):
         return [], []
     return gradient_norms(owners)
 
@@ -390,7 +390,7 @@ class Decider:
                 return
         detector.reset()
         if series and not self.clock.part:  # one series: the steps of the optimizer counting them
-            self.respond.watch_norms(series, held, self._event)
+            self.respond.watch_norms(series, held, self.event)
         self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=series,
                                 owners=held, optimizer=optimizer, clean=True)
         self._clean(reading.stop)
@@ -428,13 +428,13 @@ class Decider:
         """``diagnose.first_bad``; should it fail, a finding that says so: the step is still bad,
         and every rank must still take the decision (an error here would leave the others waiting)."""
         try:
-            return diagnose.first_bad(self.detector.catalog, self.detector.log, reading, self._event,
+            return diagnose.first_bad(self.detector.catalog, self.detector.log, reading, self.event,
                                       *gradients_and_buffers)
         except Exception as exc:  # noqa: BLE001 - a bad step must be acted on whatever the diagnosis does
             log.exception("nanguard: the diagnosis of a bad step failed")
             kind = "forward" if not all(map(math.isfinite, reading.probes)) else (
                 "buffer" if not all(map(math.isfinite, reading.buffers)) else "grad")
-            return Finding(self._event({"kind": kind, "layer": "unknown", "message": (
+            return Finding(self.event({"kind": kind, "layer": "unknown", "message": (
                 f"a non-finite value was found, but where it was born could not be worked out: the diagnosis"
                 f" failed ({type(exc).__name__}: {exc}), a fault of nanguard's (please report it)")}))
 
@@ -444,9 +444,7 @@ class Decider:
         if optimizer is None:
             return [], []
         produced = self.detector.log.produced
-        if produced is None or not produced[0]:
-            # no backward pass left a gradient (torch.autograd.grad ends one, and the script assigns
-            # what it returned to .grad itself, as functional training does): as they are now
+        if produced is None:  # no backward pass left a gradient (``BackwardWatch._ended``): as they are now
             return gradient_norms(params(optimizer))
         if self.detector.backward.scaled:  # the scaler checks and unscales only what this optimizer steps
             mine = {id(p) for p in params(optimizer)}
@@ -473,7 +471,7 @@ class Decider:
         if stop:
             self.respond.stop(self.clock.index)
 
-    def _event(self, fields: dict[str, Any]) -> Event:
+    def event(self, fields: dict[str, Any]) -> Event:
         return Event(rank=self.collectives.rank, step=self.clock.index, host=self.identity.host,
                      time=time.time(), **fields)
 

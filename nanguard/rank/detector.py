@@ -244,16 +244,17 @@ class Detector:
         micro_batch = self._forwards.get(root_slot, 0)
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
-        if self.keep_batches and not any(map(_transformed, call_tensors(args, kwargs))):
+        inputs = call_tensors(args, kwargs)
+        if self.keep_batches and not any(map(_transformed, inputs)):
             # held for the capture (not inside torch.func, whose tensors do not outlive it): copies,
             # once a batch was found changed in place by its step's decision (a refilled buffer),
             # probed (lazily) as those copies; the forward's own are seen
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.feeds.copying:
-                self._mark_seen(self._unchecked(call_tensors(args, kwargs)))
-                args, kwargs = held, held_kwargs
-        for tensor in self._unchecked(call_tensors(args, kwargs)):
+                self._mark_seen(self._unchecked(inputs))
+                inputs = call_tensors(held, held_kwargs)
+        for tensor in self._unchecked(inputs):
             self._add(tensor, BATCH, root_slot, lazy=True)
 
     def new_step(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -58,7 +57,7 @@ class Guard:
         self._identity = RankInfo.from_env()
         self._collectives = collectives or Collectives()
         self._clock = StepClock(optimizer_seen=bool(optimizers))
-        self._skipped_in_a_row, self._told_at = 0, 0  # (steps a GradScaler skipped; a run of them warned of)
+        self._skipped_in_a_row, self._run_told = 0, False  # (steps a GradScaler skipped; that run warned of)
         self._observer = observer or StepObserver()
         self._events = EventLog(settings.max_events)
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
@@ -84,6 +83,10 @@ class Guard:
         self._observer.nested = lambda: self._detector.depth > 0
         self._decider = Decider(settings, self._detector, self._collectives, self._clock, self._identity,
                                 self._respond, self._observer)
+        # A guard is held by its models' and optimizers' hooks (and a bare init()'s by the process):
+        # one never closed goes with them, and takes its process-wide hooks and its link along
+        self._finalizer = weakref.finalize(self, _let_go, self._handles, self._detector.registrations, self._reporter,
+                                           id(self))
         if settings.disable:
             return
         self._start(model, optimizers)
@@ -107,11 +110,7 @@ class Guard:
         self._watch = OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
                                      self._detector.backward.watches, everything=model is None,
                                      on_other=self._on_other_step)
-        self._handles += self._watch.install()
-        # A guard is held by its models' and optimizers' hooks (and a bare init()'s by the process):
-        # one never closed goes with them, and takes its process-wide hooks along
-        self._finalizer = weakref.finalize(self, _let_go, self._handles, self._detector.registrations, self._reporter,
-                                           id(self))
+        self._handles += self._watch.install()  # (kept: the process-wide hook holds the watch weakly)
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -191,8 +190,7 @@ class Guard:
         if log.started and not log.trained and log.values:  # a last evaluation, after the last step
             self._decider.settle_early("evaluation")
         self._closed = True
-        if hasattr(self, "_finalizer"):  # (not made when disabled)
-            self._finalizer.detach()
+        self._finalizer.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -279,15 +277,15 @@ class Guard:
         # the forward's checks (every rank's scaler skips the same steps: it reads summed gradients)
         stepped, self._clock.stepped = self._clock.stepped, False
         self._skipped_in_a_row = 0 if stepped else self._skipped_in_a_row + 1
-        self._told_at = 0 if stepped else self._told_at
+        self._run_told = self._run_told and not stepped
         if stepped or self._closed:
             return
-        if self._skipped_in_a_row >= 2 and self._skipped_in_a_row > self._told_at:  # (read on a run of skips only)
+        if self._skipped_in_a_row >= 2 and not self._run_told:  # (the scale is read on a run of skips only)
             scale = float(self._respond.states["scaler"].get_scale())
             if scale < 1.0:  # gradients non-finite even scaled down: no overflow of the scale's making
-                self._told_at = math.inf  # (once a run of skips)
+                self._run_told = True
                 self._respond.scaler_streak(self._skipped_in_a_row, scale, self._detector.log.produced,
-                                            self._decider._event)
+                                            self._decider.event)
         counted = self._clock.skipped()
         try:
             if self._detector.pending:

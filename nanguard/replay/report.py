@@ -59,12 +59,8 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
         "samples": {str(t["rank"]): t["samples"] for t in traces},
         "bad_samples": bad_samples(traces),
         "skip_file": None,
-        "devices": _devices(incident, original, event, traces, reproducible, (
-            "not fed all of the step's own data, the replay says nothing of the device" if own_data else
-            "the replay could not give the step all it had (see the message), so it says nothing of the device"
-            if unfed else
-            "the captured state already held non-finite values, the replay says nothing of the device"
-            if bad_state else None), always=bool(bad_state)),
+        "devices": _devices(incident, original, event, traces, reproducible, _silent(reproducible, own_data, unfed,
+                                                                                     bad_state)),
         "replayed": {"host": socket.gethostname(), "python": platform.python_version(),
                      "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -75,6 +71,17 @@ def build_report(incident: Incident, world: int, event: Event | None, traces: li
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _silent(reproducible: bool, own_data: bool, unfed: list[str], bad_state: dict[int, list[str]]) -> str | None:
+    """Why this replay says nothing of the original device, or None: it did not reproduce the event
+    without all the step had, or the state it was given was bad already (whatever it found)."""
+    why = ("not fed all of the step's own data, the replay says nothing of the device" if own_data else
+           "the replay could not give the step all it had (see the message), so it says nothing of the device"
+           if unfed else
+           "the captured state already held non-finite values, the replay says nothing of the device"
+           if bad_state else None)
+    return why if bad_state or not reproducible else None
 
 
 def _unfed(original: Event, traces: list[dict[str, Any]]) -> list[str]:
@@ -95,7 +102,7 @@ def _unfed(original: Event, traces: list[dict[str, Any]]) -> list[str]:
 
 
 def _message(original: Event, event: Event | None, reproducible: bool, suspect: dict[str, Any],
-             layout: Layout, own_data: bool, bad_state: dict[int, list[str]], unfed: list[str] = ()) -> str:
+             layout: Layout, own_data: bool, bad_state: dict[int, list[str]], unfed: list[str]) -> str:
     where = f"{original.kind} event in {original.layer or 'the loss'} at step {original.step}"
     held = "; ".join(f"rank {rank}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                      for rank, names in sorted(bad_state.items()))
@@ -145,11 +152,10 @@ def _suspect(incident: Incident, original: Event) -> dict[str, Any]:
 
 
 def _devices(incident: Incident, original: Event, event: Event | None, traces: list[dict[str, Any]],
-             reproducible: bool, silent: str | None, always: bool = False) -> dict[str, Any]:
+             reproducible: bool, silent: str | None) -> dict[str, Any]:
     """The original device against this replay's (and earlier replays') for the rank that saw it.
-    A replay that cannot speak of it (``silent``: why, when it did not reproduce the event, or
-    whatever it found when ``always``: a state already bad) leaves the earlier replays' records as
-    they were."""
+    A replay that cannot speak of it (``silent``: why, ``_silent``) leaves the earlier replays'
+    records as they were."""
     try:
         earlier = devices.earlier_runs(incident.replay_report())
     except IncidentError:
@@ -158,7 +164,7 @@ def _devices(incident: Incident, original: Event, event: Event | None, traces: l
     if mine is None:
         return {"finding": "not_compared", "replayed": None, "replays": earlier,
                 "message": f"rank {original.rank}, whose device saw the incident, was not replayed"}
-    if silent is not None and (always or not reproducible):
+    if silent is not None:
         return {"finding": "not_compared", "replayed": mine, "replays": earlier, "message": silent}
     run = {**mine, "rank": original.rank, "bad": event is not None, "reproducible": reproducible,
            "time": _now()}

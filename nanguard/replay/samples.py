@@ -120,10 +120,9 @@ def _find(obj: Any, key: str, depth: int) -> Any:
     return _MISSING
 
 
-def mixing(model: nn.Module, ran: set[nn.Module] | None = None) -> list[str]:
+def mixing(names: Mapping[nn.Module, str]) -> list[str]:
     """Modules that make one sample's output depend on the others', or on the part's shape (random
-    masks), of those in ``ran`` (the modules called in the search's runs; None: every module)."""
-    names = {m: n or "<root>" for m, n in plain_names(model).items() if ran is None or m in ran}
+    masks), of ``names`` (the modules called in the search's runs, by name: ``Runner.ran_names``)."""
     norms = [name for module, name in names.items()
              if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
     notes = []
@@ -205,6 +204,10 @@ class Runner:
         self.output_count = 0
         """the most floating outputs a run's forward returned"""
 
+    def ran_names(self) -> dict[nn.Module, str]:
+        """The modules called in the runs so far, by name (the root's: ``<root>``)."""
+        return {m: n or "<root>" for m, n in self.modules.items() if m in self.ran}
+
     def run(self, batch: Mapping[str, Any], backward: bool) -> str:
         """CLEAN, FORWARD (a module's output was non-finite), BACKWARD (a parameter's gradient),
         CAPPED (no run left), or the error the model raised on this part."""
@@ -273,7 +276,7 @@ def search(model: nn.Module, batches: list[Any], rng: Any, *, key: str | None, s
     with quiet(model):
         found = [_search_one(runner, k, batch, key) for k, batch in enumerate(batches)]
     return {"searched": True, "runs": runner.runs, "max_runs": max_runs, "capped": runner.capped,
-            "micro_batches": found, "mixing": mixing(model, runner.ran), "sample_id_key": key,
+            "micro_batches": found, "mixing": mixing(runner.ran_names()), "sample_id_key": key,
             "outputs": sorted(set(outputs)) if outputs else None,
             "autocast": [f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast]}
 
@@ -342,7 +345,7 @@ def _bisect(runner: Runner, batch: Mapping[str, Any], size: int, backward: bool
         unresolved += [_group(a, b, f"could not run alone: {o}") for (a, b), o in failed]
         bad_halves = [(a, b, o) for (a, b), o in zip(halves, outcomes) if o in (FORWARD, BACKWARD)]
         if not bad_halves and not failed:
-            drawing = random_modules({m: n or "<root>" for m, n in runner.modules.items() if m in runner.ran})
+            drawing = random_modules(runner.ran_names())
             why = (f"{', '.join(drawing[:3])} in train mode draw(s) random masks anew for each part's shape, not"
                    " the step's own masks; or the model mixes samples, or the fault needs several"
                    " of them") if drawing else "the model mixes samples, or the fault needs several of them"
