@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .protocol import POLICIES, Policy, check_curve_key, parse_address
+from .protocol import MODES, POLICIES, Mode, Policy, check_curve_key, parse_address
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -99,6 +99,15 @@ class Settings:
     ``NANGUARD_`` prefix, the environment variables."""
 
     on_nan: Policy = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
+    mode: Mode = _setting(
+        "sentinel", str.strip,
+        "what is checked on every step: sentinel (what the update depends on; the full probes re-run only"
+        " a bad step) or full (every module's output on every step)"
+    )
+    escalate: bool = _setting(
+        True, _parse_bool, "under skip or warn, switch to full for the rest of the run after a fault that"
+        " was not reproduced"
+    )
     dir: str = _setting("nanguard-incidents", str.strip, "folder that incidents are written under")
     coordinator: str | None = _setting(None, _parse_optional_str, "coordinator address, tcp://host:port")
     token: str | None = _setting(None, _parse_secret, "the ranks' shared secret for coordinator messages")
@@ -162,6 +171,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.on_nan not in POLICIES:
             raise ConfigError(f"on_nan={self.on_nan!r} is not one of {', '.join(POLICIES)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
         if not isinstance(self.dir, str) or not self.dir:
             raise ConfigError(f"dir={self.dir!r} must be a non-empty path")
         for name in ("token", "replay", "sample_id_key"):
@@ -196,7 +207,7 @@ class Settings:
         if self.capture not in (None, True, False):
             raise ConfigError(f"capture={self.capture!r} must be None, True or False")
         self._check_replay_device()
-        for name in ("disable", "param_grad_norms", "capture_batch", "replay_ops"):
+        for name in ("disable", "escalate", "param_grad_norms", "capture_batch", "replay_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name, what in (("skip_types", "module class names or classes"),

@@ -28,6 +28,14 @@ producer beats what it poisoned downstream (the loss, then the gradients)"""
 # --- what a rank does about a non-finite value (``on_nan``; the ``action`` of its events) ---
 Policy = Literal["raise", "skip", "warn"]
 POLICIES: tuple[Policy, ...] = ("raise", "skip", "warn")
+Mode = Literal["sentinel", "full"]
+MODES: tuple[Mode, ...] = ("sentinel", "full")
+"""what a guard checks on every step: ``sentinel``, only what the update depends on (the gradients,
+the loss given to ``check``, the buffers the step wrote), and the full probes on a bad step alone
+(the microscope); ``full``, every module's output on every step"""
+VERDICTS_IN_JOB = ("reproducible", "device", "transient")
+"""``Event.verdict``: bad again wherever re-run (the code or the data); bad again on its own device
+and clean on a peer's (that device); clean when re-run on its own device (a transient)"""
 OBSERVED = "observe"
 """the ``action`` of an event seen outside the training steps (an evaluation's forward, autograd
 off, between optimizer steps): reported and counted, never acted on, and never a reason to stop"""

@@ -5,6 +5,7 @@ the blame). No host sync."""
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -42,6 +43,9 @@ class BackwardWatch:
         self._queued = False
         self.armed = False
         """a forward output's node will say when the step's next backward pass starts"""
+        self.keep_grad_bytes = 0
+        """the largest gradient reaching a root forward's output that is kept for the microscope
+        (``StepLog.output_grads``; sentinel mode), in bytes: 0, none"""
 
     def params(self) -> list[torch.Tensor]:
         """The parameters of the attached roots that are still alive."""
@@ -166,15 +170,24 @@ class BackwardWatch:
         not, it says when the pass starts), and whether it runs at all (``StepLog.unpropagated``)."""
         if torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
-            tensor = output if type(output) is torch.Tensor else next(
-                (t for t in floating_tensors(output) if t.requires_grad), None)
+            if type(output) is torch.Tensor:
+                tensor, at = output, 0
+            else:
+                at, tensor = next(((k, t) for k, t in enumerate(floating_tensors(output)) if t.requires_grad),
+                                  (0, None))
             node = tensor.grad_fn if tensor is not None else None
             if node is not None or (tensor is not None and tensor.requires_grad):
                 log, forward, timed = self.log, len(self.log.spans) - 1, not self.watches_buckets
                 log.unpropagated.add(forward)
+                keep = self.keep_grad_bytes >= tensor.numel() * tensor.element_size()
+                slot = tensor.output_nr if node is not None else 0
 
                 def started(grad: object) -> None:
                     log.unpropagated.discard(forward)
+                    if keep:  # a reference, read on a bad step only
+                        kept = grad if type(grad) is not tuple else grad[slot] if slot < len(grad) else None
+                        if kept is not None:
+                            log.output_grads[forward] = (at, kept)
                     if timed:
                         self._started(grad)
 
@@ -206,7 +219,8 @@ class BackwardWatch:
         # a pass that left no gradient is none (torch.autograd.grad's: the script assigns what it
         # returned to .grad itself, as functional training does; they are read as the step takes them)
         self.log.produced = (owners, norms) if owners else None
-        self.log.left = {id(p): (p.grad, version_of(p.grad)) for p in owners}
+        grads = [p.grad for p in owners]
+        self.log.left = (owners, grads, _versions(grads))
 
 
 def keep_summed(watch: BackwardWatch) -> None:
@@ -220,15 +234,25 @@ def keep_summed(watch: BackwardWatch) -> None:
             log.summed_after.append(gradless(torch.stack, norms).amax())
 
 
-def as_left(owners: list[torch.Tensor], left: dict[int, tuple[torch.Tensor, int]] | None) -> bool:
+def _versions(grads: list[torch.Tensor]) -> list[int]:
+    try:  # (no Python call per gradient: this runs on every step)
+        return [g._version for g in grads]
+    except RuntimeError:  # an inference tensor among them keeps no version
+        return [version_of(g) for g in grads]
+
+
+def as_left(owners: list[torch.Tensor], left: tuple[list, list, list[int]] | None) -> bool:
     """Whether every gradient of ``owners`` is as the backward pass left it (``StepLog.left``)."""
     if left is None:
         return False
-    for param in owners:
-        then = left.get(id(param))
-        if then is None or then[0] is not param.grad or version_of(param.grad) != then[1]:
+    then, grads, versions = left
+    if owners is not then:  # some of them (a GradScaler's optimizer's)
+        at = {id(p): k for k, p in enumerate(then)}
+        if not all(id(p) in at for p in owners):
             return False
-    return True
+        grads, versions = [grads[at[id(p)]] for p in owners], [versions[at[id(p)]] for p in owners]
+    now = [p.grad for p in owners]
+    return all(map(operator.is_, now, grads)) and _versions(now) == versions
 
 
 def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -242,7 +266,7 @@ def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], 
     # the common gradients, plain dense tensors, as they are: one check of each type, where
     # reading a tensor's layout and requires_grad costs ~0.3 us a gradient; a kind the fused
     # norm does not take (sparse) raises, and goes the general way
-    if all(type(g) is torch.Tensor for g in grads):
+    if set(map(type, grads)) == {torch.Tensor}:
         try:  # (autograd off: a gradient made with create_graph has a graph, not followed)
             return owners, list(gradless(torch._foreach_norm, grads))
         except RuntimeError:

@@ -23,7 +23,7 @@ from .._dist import Collectives, RankInfo
 from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
-from . import diagnose, forensics
+from . import diagnose, forensics, microscope
 from .backward import as_left, gradient_norms
 from .detector import Detector
 from .diagnose import Finding
@@ -260,6 +260,31 @@ def changed_gradients(owners: list[torch.Tensor], log: StepLog,
     return gradient_norms(owners)
 
 
+_TRANSIENT = ("not reproduced: the microscope re-ran the step from memory on this device ({device}, host {host}),"
+              " with the same weights, batch and random state, and every value it made was finite: a transient"
+              " fault (the hardware, a race, non-determinism), not the model's nor the data's; nothing in the"
+              " model is blamed for it")
+_UNSEEN = "the microscope could not re-run all of the step ({}): whether it is reproducible is not known"
+
+
+def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Look, host: str) -> Finding:
+    """``finding`` with what the microscope's re-run said: ``Event.reproduced``, ``verdict`` and ``device``;
+    one not reproduced names the fault of this device, and no module (no probe saw it born)."""
+    event = finding.event
+    event.reproduced = reproduced
+    event.verdict = {True: "reproducible", False: "transient"}.get(reproduced)
+    event.device = microscope.device_name()
+    if reproduced is False:
+        event.message = _TRANSIENT.format(device=event.device, host=host)
+        event.input_nonfinite = event.output_nonfinite = None
+        if look.original_outputs_bad:  # the forward made it: the model's output, no module of it
+            event.kind, event.layer, event.module_type = "forward", "", look.root_type
+        return replace(finding, position=None)
+    if reproduced is None and look.missed:
+        event.message = "; ".join(filter(None, (event.message, _UNSEEN.format("; ".join(look.missed)))))
+    return finding
+
+
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -376,6 +401,8 @@ class Decider:
             return
         if reading.bad:
             first = self._agreed(reading, owners, written, collectives, later)
+            if first is not None and first.event.reproduced is False:
+                self._escalate()  # (the same on every rank: the job's first event)
             if first is not None:
                 # in the flight recorder before a capture writes it
                 self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=series,
@@ -401,8 +428,12 @@ class Decider:
         this rank's own, when another rank's is the job's, is noted beside it. ``later``: the
         parameters of ``reading.applied``."""
         grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
-        local = self._take_early() if self._early is not None else self._diagnose(
-            reading, owners, grads, written, later)
+        if self._early is not None:
+            local = self._take_early()
+        elif self.detector.sentinel:
+            local = self._look(reading, owners, grads, written, later)
+        else:
+            local = self._diagnose(reading, owners, grads, written, later)
         aside, self._aside = self._aside, None
         if local is not None and aside is not None and local.event.kind in ("grad", "loss"):
             local.event.message = "; ".join(filter(None, (local.event.message, _ASIDE.format(
@@ -423,6 +454,34 @@ class Decider:
                     " inside the model (a synchronised norm)"))))
             self.respond.note(local, self.settings.on_nan)
         return first
+
+    def _look(self, reading: Reading, owners: list[torch.Tensor], grads: list[torch.Tensor | None],
+              written: list, later: list[torch.Tensor]) -> Finding | None:
+        """Tier 2 on a bad step of the sentinel: the microscope re-runs the step's micro-batches under the
+        full probes, the diagnosis reads what they made, and the finding says whether the re-run
+        reproduced it."""
+        detector = self.detector
+        with microscope.rerun(detector, owners, reading.probes) as look:
+            log = detector.log
+            fresh = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
+                              evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
+            reading = replace(reading, probes=fresh.probes if fresh is not None else [],
+                              evidence=fresh.evidence if fresh is not None else [])
+            finding = self._diagnose(reading, owners, grads, written, later)
+        if finding is None:
+            return None
+        forward_bad = not all(map(math.isfinite, reading.probes[:look.forward_values]))
+        own = reading.local_grads_bad if reading.several else True
+        return _with_verdict(finding, look.reproduced(forward_bad, own), look, self.identity.host)
+
+    def _escalate(self) -> None:
+        """After a fault the microscope did not reproduce, under a policy that trains on (skip, warn):
+        every module is probed on every step from now on, so the next transient is caught at its producer."""
+        if self.settings.escalate and self.settings.on_nan != "raise" and self.detector.sentinel:
+            self.detector.sentinel = False
+            self.detector.probes_on()
+            log.warning("nanguard: a fault was not reproduced when re-run (a transient): every module is checked"
+                        " on every step from now on (mode full; escalate=False keeps the sentinel)")
 
     def _diagnose(self, reading: Reading, *gradients_and_buffers) -> Finding | None:
         """``diagnose.first_bad``; should it fail, a finding that says so: the step is still bad,

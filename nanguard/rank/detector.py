@@ -41,7 +41,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                     register_module_parameter_registration_hook)
 
 from .._tree import floating_tensors, named_floating_tensors
-from . import forensics
+from . import forensics, microscope
 from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
@@ -101,7 +101,8 @@ class Detector:
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
                  detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
                  on_step_start: Callable[[], None] | None = None, keep_batches: bool = False,
-                 on_settle: Callable[[str], None] | None = None):
+                 on_settle: Callable[[str], None] | None = None, sentinel: bool = False,
+                 outputs_decide: Callable[[], bool] = lambda: True):
         self._skip_types = tuple(skip_types)
         self._skip_modules = tuple(skip_modules)
         self.on_root_end = on_root_end
@@ -139,6 +140,18 @@ class Detector:
         """the process-wide hooks that note what is registered into hooked modules (``_on_registration``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
+        self.sentinel = sentinel
+        """tier 1 (``mode="sentinel"``): the module probes are installed only while the microscope
+        re-runs a bad step (``probes_on``); each micro-batch's call is kept for that re-run"""
+        self.outputs_decide = outputs_decide
+        """whether a root's output is what the step is decided on (no optimizer steps: an
+        evaluation, inference); in sentinel mode it is probed then, and only then"""
+        self._probes: list[tuple[weakref.ref, Callable]] = []
+        """every module's forward hook (module, hook), installed while ``probing``"""
+        self._probe_handles: list[Any] = []
+        self.probing = not sentinel
+        self.rerunning = False
+        """the microscope is re-running a micro-batch: the root hooks leave the step's bookkeeping alone"""
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -159,10 +172,31 @@ class Detector:
         _hook_root(self, root)
         return self._modules[root]
 
+    def probes_on(self) -> None:
+        """Install every module's probe (full mode for good; the microscope for one re-run)."""
+        self.probing = True
+        if not self._probe_handles:
+            self._probe_handles = [module.register_forward_hook(hook, with_kwargs=True)
+                                   for ref, hook in self._probes if (module := ref()) is not None]
+
+    def probes_off(self) -> None:
+        """Take the module probes out again (sentinel mode, after the microscope's re-run)."""
+        self.probing = False
+        for handle in self._probe_handles:
+            handle.remove()
+        self._probe_handles = []
+
+    def add_probe(self, module: nn.Module, hook: Callable) -> None:
+        self._probes.append((weakref.ref(module), hook))
+        if self.probing:
+            self._probe_handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
     def detach(self) -> None:
-        for handle in self._handles + self.registrations:
+        for handle in self._handles + self.registrations + self._probe_handles:
             handle.remove()
         self._handles.clear()
+        self._probe_handles.clear()
+        self._probes.clear()
         self.registrations.clear()
         self._modules = weakref.WeakKeyDictionary()
         self._root_slots = weakref.WeakKeyDictionary()
@@ -227,8 +261,9 @@ class Detector:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
 
-    def root_pre(self, root_slot: int, args: tuple, kwargs: dict) -> None:
-        """A root forward begins: a new micro-batch, whose inputs (the batch) are probed."""
+    def root_pre(self, root_slot: int, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+        """A root forward begins: a new micro-batch, whose inputs (the batch) are probed. ``module``:
+        the one called (sentinel mode keeps the call for the microscope; None: not re-runnable)."""
         if self.added:
             _hook_added(self)
         log = self.log
@@ -251,11 +286,24 @@ class Detector:
             # probed (lazily) as those copies; the forward's own are seen
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
+            if self.sentinel:
+                log.contexts.append(microscope.Context.now(module))
             if self.feeds.copying:
                 self._mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
+        self._batch_probes(inputs, root_slot)
+
+    def _batch_probes(self, inputs: list[torch.Tensor], root_slot: int) -> None:
         for tensor in self._unchecked(inputs):
             self._add(tensor, BATCH, root_slot, lazy=True)
+
+    def rerun_begins(self, root_slot: int, micro_batch: int, args: tuple, kwargs: dict) -> None:
+        """The microscope re-runs micro-batch ``micro_batch`` of the step: its span and its batch."""
+        self.log.spans.append((len(self.log.records), root_slot, micro_batch))
+        self._batch_probes(call_tensors(args, kwargs), root_slot)
+
+    def rerun_ends(self) -> None:
+        self.log.span_ends[len(self.log.spans) - 1] = len(self.log.records)
 
     def new_step(self) -> None:
         """Another model's optimizer stepped, in a guard with none of its own: micro-batches count
@@ -285,12 +333,33 @@ class Detector:
             log.span_ends[len(log.spans) - 1] = len(log.records)
         if output is None:
             return
+        if self.sentinel and not self.probing:
+            self._sentinel_output(output)
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
             self._let_go_clean()
         if self.on_root_end is not None:
             self.on_root_end()
+
+    def _sentinel_output(self, output: Any) -> None:
+        """Tier 1 at a root forward's end: where the output is what is decided on (no optimizer steps,
+        autograd off), its probe; else references to it (within the detail budget), told finite or not
+        on a bad step only, for the microscope's verdict."""
+        if not torch.is_grad_enabled() or self.outputs_decide():
+            fields = dict((id(t), path or None) for path, t in named_floating_tensors(output))
+            for tensor in self._unchecked(floating_tensors(output)):
+                self._add(tensor, OUT, self.slot_of_span(), field=fields.get(id(tensor)))
+            return
+        outputs = floating_tensors(output)
+        size = sum(t.numel() * t.element_size() for t in outputs)
+        if size <= self._detail_bytes - self._kept_bytes:
+            self._kept_bytes += size
+            self.log.outputs[len(self.log.spans) - 1] = [(t, version_of(t)) for t in outputs]
+
+    def slot_of_span(self) -> int:
+        """The root slot of the step's last root forward."""
+        return self.log.spans[-1][1]
 
     def _let_go_clean(self) -> None:
         """At the end of a forward on the CPU, let go of the tensors it kept for detail when every
@@ -335,6 +404,12 @@ class Detector:
     def pending(self) -> int:
         """Probes made since the last decision."""
         return len(self.log.records)
+
+    def clear_probes(self) -> None:
+        """Forget the step's probes, for the microscope's re-run to make them again."""
+        self.log.clear()
+        self._seen.clear()
+        self._kept_bytes = self._judged = 0
 
     def reset(self) -> None:
         """Forget this step's probes (after a decision)."""
@@ -400,7 +475,7 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
         named = root is not None and (module is root or module is ddp_inner(root))
         hook = forward_hook(detector, slot, mode, leaf, named=named, untouched=isinstance(
             module, nn.modules.dropout._DropoutNd) and not module.inplace)
-        detector._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        detector.add_probe(module, hook)
 
 
 def _rename(detector: Detector, module: nn.Module, qualified: str) -> None:
@@ -495,17 +570,19 @@ def _root_hooks(detector: Detector, root_slot: int, module: nn.Module):
     def pre(module, args, kwargs):
         if module is not owner():
             return _copied(detector, module)
+        if detector.rerunning:
+            return None
         detector.depth += 1
         if detector.depth == 1:
             # autograd off once a training forward of the step ran: an evaluation between its
             # micro-batches, which would count as one; not checked
             detector.aside = not torch.is_grad_enabled() and detector.log.trained
             if not detector.aside:
-                detector.root_pre(root_slot, args, kwargs)
+                detector.root_pre(root_slot, args, kwargs, module)
 
     @untraced
     def post(module, args, kwargs, output):
-        if module is owner():
+        if module is owner() and not detector.rerunning:
             detector.root_end(output)
 
     return pre, post

@@ -60,13 +60,18 @@ class Guard:
         self._skipped_in_a_row, self._run_told = 0, False  # (steps a GradScaler skipped; that run warned of)
         self._observer = observer or StepObserver()
         self._events = EventLog(settings.max_events)
+        sentinel = settings.mode == "sentinel"
+        saves_batches = settings.capture is not False and settings.capture_batch
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
                                   detail_bytes=int(settings.detail_mb * 2**20),
                                   on_root_end=self._on_root_end,
                                   on_step_start=self._on_step_start if settings.capture is not False
                                   else None,
-                                  keep_batches=settings.capture is not False and settings.capture_batch,
-                                  on_settle=lambda apart: self._decider.settle_early(apart))
+                                  keep_batches=saves_batches or sentinel,
+                                  on_settle=lambda apart: self._decider.settle_early(apart),
+                                  sentinel=sentinel, outputs_decide=lambda: not self._clock.optimizer_seen)
+        if sentinel:
+            self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20)
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)
@@ -75,7 +80,7 @@ class Guard:
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
                                   lambda: models_to_save(self._roots, self._detector.catalog),
-                                  lambda model: step_inputs(self._detector, model, self._rng),
+                                  lambda model: step_inputs(self._detector, model, self._rng, saves_batches),
                                   self._detector.catalog.param_name, self._detector.buffers)
         self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)
         self._respond.step_part = lambda: self._clock.part
@@ -232,7 +237,7 @@ class Guard:
             return None  # found inside another root's forward: a module of it there
         # Hooks added during this call's pre-hooks only fire from the next call on.
         fed = self._observer.first_call(module, args)
-        self._detector.root_pre(self._detector.slot_of(module), fed or args, {})
+        self._detector.root_pre(self._detector.slot_of(module), fed or args, {}, module)
         return fed
 
     # ------------------------------------------------------------------ the steps

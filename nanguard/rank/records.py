@@ -374,10 +374,21 @@ class StepLog:
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
     input buffer) from what the forward was fed"""
+    contexts: list[Any] = field(default_factory=list)
+    """what a re-run of each of ``batches`` needs beside its arguments (``microscope.Context``): the
+    module called, the RNG, autocast and grad mode as its forward began (sentinel mode)"""
+    outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
+    """references to each root forward's floating outputs (with ``version_of``), by ``spans`` index,
+    where they fit in the detail budget: whether the original forward made them non-finite is told
+    exactly on a bad step only (sentinel mode)"""
+    output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    """(index in ``floating_tensors(output)``, the gradient that reached it) of each root forward's
+    output whose backward pass ran, by ``spans`` index, where it fits in the detail budget: the
+    microscope re-runs the backward from there (sentinel mode)"""
     produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """(parameters, the norms of their gradients) as the last backward pass left them"""
-    left: dict[int, tuple[torch.Tensor, int]] | None = None
-    """(each one's gradient, its in-place version) then, by ``id(param)``: the optimizer applies what the norms
+    left: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+    """(the parameters, each one's gradient, its in-place version) then: the optimizer applies what the norms
     measured only while each is the same tensor, unchanged (not summed across ranks, clipped,
     unscaled or divided since)"""
     loss_at: int | None = None
@@ -400,7 +411,8 @@ class StepLog:
 
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
-                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated):
+                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated,
+                     self.contexts, self.outputs, self.output_grads):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

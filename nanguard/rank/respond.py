@@ -310,12 +310,14 @@ def models_to_save(roots: list[tuple[Callable[[], nn.Module | None], str]], cata
     return [("", outermost[1])]
 
 
-def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None
-                ) -> tuple[list, dict[str, Any]]:
-    """The step's batches fed to ``model``'s root, and the RNG as it was when the step began
-    (python's and numpy's read now: the forward, backward and optimizer step do not draw from them)."""
+def step_inputs(detector: Detector, model: nn.Module | None, rng_at_start: dict[str, Any] | None,
+                saved: bool = True) -> tuple[list, dict[str, Any]]:
+    """The step's batches fed to ``model``'s root (none unless ``saved``: the detector holds them for
+    its microscope too), and the RNG as it was when the step began (python's and numpy's read now:
+    the forward, backward and optimizer step do not draw from them)."""
     root = detector.slot_of(model) if model is not None and detector.owns(model) else None
-    batches = [as_fed(a, k, versions) for slot, a, k, versions in detector.log.batches if root is None or slot == root]
+    batches = [as_fed(a, k, versions) for slot, a, k, versions in detector.log.batches
+               if saved and (root is None or slot == root)]
     now = rng_snapshot()
     return batches, now if rng_at_start is None else {**rng_at_start, **{g: now[g] for g in HOST}}
 

@@ -326,9 +326,10 @@ class Replay(StepObserver):
         return cls(incident, layout.choose(incident, rank, world, settings.replay_rank), rank, world, settings)
 
     def forensic(self, settings: Settings) -> Settings:
-        """The guard's settings for the replayed step: keep everything, write nothing, stop."""
+        """The guard's settings for the replayed step: every module probed, everything kept, nothing
+        written, stop."""
         return dataclasses.replace(settings, detail_mb=_FORENSIC_DETAIL_MB, capture=False,
-                                   on_nan="raise", grad_norm_warn=None)
+                                   on_nan="raise", grad_norm_warn=None, mode="full")
 
     @property
     def step(self) -> int:

@@ -1,0 +1,237 @@
+"""Tier 2, the microscope: on a bad step only, re-run its micro-batches from memory under the full
+probes, and say whether the re-run made the value non-finite again (the verdict inside the job).
+
+Tier 1 (the sentinel, ``Detector`` in sentinel mode) decides every step from what the update
+depends on and keeps, without copying, what a re-run needs: each micro-batch's arguments (their
+in-place versions tell whether anything changed them since), the module it called, the RNG, autocast
+and grad mode as its forward began (``Context``), references to the root's outputs and to the
+gradient that reached them, within the detail budget. Once every rank agreed that the step is bad,
+and before anything is put back or the update is dropped, ``rerun`` fills the step's log with the
+probes of a re-run of each micro-batch, as the full mode would have made them the first time: the
+diagnosis reads that log as it reads a full-mode step's. The re-run draws from the RNG as the step
+did, writes no gradient (the backward re-run goes through ``torch.autograd.grad``), and leaves the
+RNG and the floating buffers as it found them.
+
+A DDP root is re-run through the model it wraps, with no communication. A re-run proves only what it
+reproduces: a clean re-run is a transient only where it re-ran everything the original saw go bad.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .._tree import floating_tensors
+from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot
+from .modules import ddp_inner, type_name
+from .records import CHECK, OUT, version_of
+
+if TYPE_CHECKING:
+    from .detector import Detector
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts")
+"""what the original pass left in the step's log that the re-run does not make again"""
+_CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions")
+
+
+@dataclass(slots=True)
+class Context:
+    """What a re-run of one micro-batch needs beside its arguments, taken as its forward began."""
+
+    module: weakref.ref | None
+    """the module the script called (a root, or the model its DDP wraps); None: no module to call"""
+    rng: dict[str, Any]
+    autocast: tuple[tuple[str, torch.dtype], ...]
+    """(device type, dtype) of each autocast in force"""
+    grad: bool
+
+    @classmethod
+    def now(cls, module: nn.Module | None) -> Context:
+        autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                         if torch.is_autocast_enabled(device))
+        return cls(weakref.ref(module) if module is not None else None, rng_snapshot(host=False), autocast,
+                   torch.is_grad_enabled())
+
+
+@dataclass(slots=True)
+class Look:
+    """What the microscope's re-run saw, beside the probes it left in the step's log."""
+
+    ran: int = 0
+    """micro-batches re-run"""
+    missed: list[str] = field(default_factory=list)
+    """why micro-batches (or their backward pass) could not be re-run"""
+    forward_values: int = 0
+    """how many of the log's ``values`` the re-run's forwards made (the checks come after)"""
+    original_outputs_bad: bool | None = None
+    """the original forwards' root outputs held a non-finite value (None: not kept, or changed since)"""
+    backward_bad: bool | None = None
+    """the backward re-run from the kept output gradients made a non-finite parameter gradient (None: not run)"""
+    root_type: str = ""
+    """the type of the model re-run (what a transient in its forward is reported on)"""
+    gradient_in_bad: bool = False
+    """a gradient that reached a root's output in the original pass was non-finite: it came from above
+    the model (the loss), which no re-run of the model makes"""
+
+    def reproduced(self, forward_bad: bool, own_fault: bool | None) -> bool | None:
+        """True: the re-run made a value non-finite again; False: it re-ran everything the original saw
+        go bad (``own_fault``: this rank's own gradients or outputs were bad, not another rank's) and all
+        of it stayed finite; None: it cannot tell."""
+        if forward_bad or self.backward_bad:
+            return True
+        if self.missed or not self.ran:
+            return None
+        if self.original_outputs_bad:
+            return False  # the original forward made it; the same forward, re-run, did not
+        if own_fault and self.backward_bad is False and not self.gradient_in_bad:
+            return False
+        return None
+
+
+def device_name() -> str:
+    """The device this rank computes on, as a report names it: ``cuda:N`` with the GPU's UUID, or cpu."""
+    if cuda_in_use():
+        index = torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        return f"cuda:{index} GPU-{uuid}" if uuid is not None else f"cuda:{index}"
+    return "cpu"
+
+
+@contextmanager
+def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -> Iterator[Look]:
+    """Re-run the step's micro-batches under the full probes; inside the block the step's log holds
+    the re-run's forward probes, then the original checks, beside what the original backward pass left.
+    ``params``: the parameters whose gradients the backward re-run reads; ``probes``: the original
+    probes as the decision read them."""
+    log = detector.log
+    probed_bad = any(record.role == OUT and not (math.isfinite(probes[record.pos]) and math.isfinite(
+        probes[record.pos + 1])) for record in log.records if record.pos >= 0 and record.pos + 1 < len(probes))
+    carried = {name: list(getattr(log, name)) for name in _CARRIED_LISTS}
+    kept = {name: getattr(log, name) for name in _CARRIED}
+    unpropagated = set(log.unpropagated)
+    checks = [(record.held(), record.slot) for record in log.records if record.role == CHECK]
+    outputs, output_grads = dict(log.outputs), dict(log.output_grads)
+    look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)))
+    look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
+    rng = rng_snapshot(host=False)
+    buffers = _floating_buffers(detector)
+    saved = [b.detach().clone() for b in buffers]
+    detector.clear_probes()
+    was_probing = detector.probing
+    detector.probes_on()
+    detector.rerunning = True
+    try:
+        for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
+                                                                                carried["contexts"])):
+            _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
+                       output_grads.get(forward), params)
+        look.forward_values = len(log.values)
+        names = {index: name for name, index in detector.catalog.check_names.items()}
+        for tensor, index in checks:
+            if tensor is not None and index in names:
+                detector.check(tensor, names[index])
+    finally:
+        detector.rerunning = False
+        detector.depth = 0
+        if not was_probing:
+            detector.probes_off()
+        rng_restore(rng)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+        for name, value in carried.items():
+            getattr(log, name)[:] = value
+        for name, value in kept.items():
+            setattr(log, name, value)
+        log.unpropagated.update(unpropagated)
+    yield look
+
+
+def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tuple, kwargs: dict,
+               versions: list[tuple[torch.Tensor, int]], context: Context, output_grad: tuple[int, torch.Tensor] | None,
+               params: list[torch.Tensor]) -> None:
+    module = context.module() if context.module is not None else None
+    if module is None:
+        look.missed.append(f"micro-batch {forward}: no module to call again (the script called the model's parts)")
+        return
+    if any(version >= 0 and version_of(t) != version for t, version in versions):
+        look.missed.append(f"micro-batch {forward}: its input was changed in place after its forward began")
+        return
+    module = ddp_inner(module) or module  # (no communication: every rank re-runs its own)
+    look.root_type = look.root_type or type_name(module)
+    micro_batch = sum(1 for span in detector.log.spans if span[1] == slot)
+    rng_restore(context.rng)
+    detector.rerun_begins(slot, micro_batch, args, kwargs)
+    detector.depth = 1
+    with ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(context.grad))
+        for device, dtype in context.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        try:
+            output = module(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
+            look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
+            detector.rerun_ends()
+            return
+        detector.rerun_ends()
+        look.ran += 1
+        if output_grad is not None and context.grad and not look.gradient_in_bad:
+            look.backward_bad = _backward(look, output, output_grad, params) or bool(look.backward_bad)
+
+
+def _backward(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
+              params: list[torch.Tensor]) -> bool:
+    """The re-run's backward pass from its output, fed the gradient the original's output received:
+    whether it made a parameter's gradient non-finite (read into no ``.grad``)."""
+    at, grad = output_grad
+    tensors = floating_tensors(output)
+    wanted = [p for p in params if p.requires_grad]
+    if at >= len(tensors) or not tensors[at].requires_grad or not wanted or tensors[at].shape != grad.shape:
+        look.missed.append("a backward pass: the re-run's output differs from the original's")
+        return False
+    try:
+        grads = torch.autograd.grad(tensors[at], wanted, grad_outputs=grad, allow_unused=True)
+    except RuntimeError as exc:
+        look.missed.append(f"a backward pass: its re-run raised {exc}")
+        return False
+    with torch.no_grad():
+        return any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: int) -> bool | None:
+    """Whether the original forwards' kept outputs hold a non-finite value, exactly; None when one
+    forward's are not kept or were changed in place since."""
+    if len(outputs) < forwards:
+        return None
+    bad = False
+    for held in outputs.values():
+        for tensor, version in held:
+            if version >= 0 and version_of(tensor) != version:
+                return None
+            with torch.no_grad():
+                bad = bad or not bool(torch.isfinite(tensor).all())
+    return bad
+
+
+def _floating_buffers(detector: Detector) -> list[torch.Tensor]:
+    """Every floating buffer of the guarded models (a re-run in training mode writes BatchNorm's)."""
+    seen: set[int] = set()
+    found = []
+    for info in detector.catalog.slots:
+        module = info.module()
+        if module is None:
+            continue
+        for buffer in module.buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point() and id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append(buffer)
+    return found
+

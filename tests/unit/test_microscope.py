@@ -1,0 +1,282 @@
+"""The two tiers: the sentinel decides every step from what the update depends on, the microscope
+re-runs only a bad step from memory under the full probes, and says whether the re-run reproduced it.
+
+The oracle is the fault each test plants (where, which micro-batch, on which execution), and the
+same test run in full mode, which probes every module the first time round."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+
+from conftest import make_mlp, snapshot
+
+MODES = ("sentinel", "full")
+MARK = 1234.0
+"""a value planted in a batch: the model's Fault goes off on the forward fed it (a fault of the data,
+which every run of that batch makes again)"""
+
+
+def _faulty_on_the_mark(model):
+    model.register_forward_pre_hook(lambda module, args: setattr(module[2], "armed", bool((args[0] == MARK).any())))
+
+
+def _run(model, optimizer, guard, steps, micro_batches=1, after_forward=lambda k, x: None, seed=1,
+         after_backward=lambda k, x: None, mark=None):
+    """Train ``steps`` steps of ``micro_batches`` each; returns the NonFiniteError that stopped it, or None."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for k in range(micro_batches):
+            x = torch.randn(5, 8, generator=gen)
+            if mark is not None and mark(k):
+                x[1, 1] = MARK
+            y = torch.randint(0, 4, (5,), generator=gen)
+            loss = nn.functional.cross_entropy(model(x), y) / micro_batches
+            after_forward(k, x)
+            loss.backward()
+            after_backward(k, x)
+        try:
+            optimizer.step()
+        except nanguard.NonFiniteError as err:
+            return err
+        optimizer.zero_grad()
+    return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("micro_batches, bad_micro_batch", [(1, 0), (3, 2)])
+def test_a_deterministic_fault_is_named_alike_in_both_modes(mode, micro_batches, bad_micro_batch):
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = None
+    _faulty_on_the_mark(model)
+    with nanguard.init(model, optimizer, mode=mode) as guard:
+        assert _run(model, optimizer, guard, 2, micro_batches) is None
+        before = snapshot(model, optimizer)
+        err = _run(model, optimizer, guard, 1, micro_batches, mark=lambda k: k == bad_micro_batch)
+    assert err is not None
+    event = err.event
+    assert (event.step, event.kind, event.layer, event.module_type, event.micro_batch) == \
+        (2, "forward", "2", "Fault", bad_micro_batch)
+    assert event.input_nonfinite is False and event.has_nan and event.first_index == (0, 3)
+    if mode == "sentinel":
+        assert (event.reproduced, event.verdict) == (True, "reproducible")
+        assert event.device == "cpu"
+    after = snapshot(model, optimizer)
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+
+
+class FirstTimeOnly(nn.Module):
+    """Makes a NaN on its ``bad_call``-th execution only: a fault a re-run does not make again (a
+    stand-in for a bit flipped by the hardware)."""
+
+    def __init__(self, bad_call: int):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+        self.bad_call = bad_call
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y * float("nan") if self.calls == self.bad_call else y
+
+
+def _transient_model(bad_call: int):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), FirstTimeOnly(bad_call), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_a_transient_is_not_reproduced_and_blames_no_module():
+    model = _transient_model(bad_call=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        err = _run(model, optimizer, guard, 5)
+    event = err.event
+    assert event.step == 2 and model[2].calls == 4  # one execution more: the microscope's re-run
+    assert (event.reproduced, event.verdict) == (False, "transient")
+    assert event.layer == "" and event.module_type == "Sequential"  # the model's output, no module of it
+    assert "not reproduced" in event.message and "cpu" in event.message
+    assert "born in this module" not in event.message
+
+
+def test_full_mode_names_the_producer_of_a_transient():
+    model = _transient_model(bad_call=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, mode="full") as guard:
+        err = _run(model, optimizer, guard, 5)
+    assert (err.event.step, err.event.layer, err.event.module_type) == (2, "2", "FirstTimeOnly")
+    assert model[2].calls == 3  # nothing re-ran
+
+
+class DrawsItsFault(nn.Module):
+    """Makes a NaN where a random draw of its own says so (as a dropout mask decides what survives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.draws = []
+
+    def forward(self, x):
+        y = self.lin(x)
+        draw = torch.rand(()).item()
+        self.draws.append(draw)
+        return y * float("nan") if draw > 0.9 else nn.functional.dropout(y, 0.5)
+
+
+def _drawn(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), DrawsItsFault(), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(3)
+    with nanguard.init(model, optimizer, mode=mode) as guard:
+        err = _run(model, optimizer, guard, 40, micro_batches=3)
+    return model, err, torch.get_rng_state()
+
+
+def test_a_fault_decided_by_the_rng_is_reproduced_in_its_micro_batch():
+    model, err, state_after = _drawn("sentinel")
+    assert err is not None
+    draws = model[2].draws
+    first = next(i for i, d in enumerate(draws) if d > 0.9)
+    event = err.event
+    assert (event.step, event.micro_batch) == (first // 3, first % 3)
+    assert (event.layer, event.reproduced, event.verdict) == ("2", True, "reproducible")
+    # the re-run drew again, each micro-batch from its own state: the same draws as the original
+    start = first - first % 3
+    assert len(draws) == start + 6 and draws[start + 3:] == draws[start:start + 3]
+    # and the script's generator goes on as if nothing re-ran: as in full mode, which re-runs nothing
+    full, full_err, full_state = _drawn("full")
+    assert (full_err.event.step, full_err.event.micro_batch, full_err.event.layer) == \
+        (event.step, event.micro_batch, event.layer)
+    assert torch.equal(state_after, full_state)
+
+
+def test_a_batch_changed_in_place_after_its_forward_is_not_re_run():
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _faulty_on_the_mark(model)
+    with nanguard.init(model, optimizer) as guard:
+        err = _run(model, optimizer, guard, 1, mark=lambda k: True, after_backward=lambda k, x: x.mul_(0))
+    event = err.event
+    assert event.reproduced is None and event.verdict is None
+    assert "changed in place" in event.message
+    assert event.kind in ("loss", "grad", "backward")  # no forward probe saw it: no module is named
+
+
+def test_an_overflow_the_gradscaler_skips_never_wakes_the_microscope():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    calls = []
+    model[0].register_forward_hook(lambda *a: calls.append(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 120)  # the first steps overflow
+    with nanguard.init(model, optimizer, scaler=scaler) as guard:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(5, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert scaler.get_scale() < 2.0 ** 120  # it did skip
+        assert guard.step == 4 and not guard.events
+    assert len(calls) == 4  # one forward a step: nothing re-ran
+
+
+def _calls_of_a_clean_step(model, mode):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("nanguard"):
+            called.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}")
+
+    with nanguard.init(model, optimizer, mode=mode) as guard:
+        _run(model, optimizer, guard, 3)
+        sys.setprofile(profile)
+        try:
+            assert _run(model, optimizer, guard, 1) is None
+        finally:
+            sys.setprofile(None)
+    return called
+
+
+def _deep(layers):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), *[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.GELU())],
+                         nn.Linear(16, 4))
+
+
+def test_the_python_calls_of_a_clean_sentinel_step_do_not_grow_with_the_model():
+    shallow, deep = _calls_of_a_clean_step(_deep(1), "sentinel"), _calls_of_a_clean_step(_deep(12), "sentinel")
+    assert shallow and not [c for c in deep if c.endswith(".hook")]  # no module probe ran
+    assert len(deep) == len(shallow) <= 130, deep
+    full = _calls_of_a_clean_step(_deep(12), "full")
+    assert len(full) > len(deep) + 24  # (the full mode's probe of each of the 25 modules)
+
+
+def test_after_a_transient_the_guard_escalates_to_full():
+    model = _transient_model(bad_call=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="skip") as guard:
+        _run(model, optimizer, guard, 4)
+        assert [e.verdict for e in guard.events] == ["transient"] and guard.skipped_steps == 1
+        model[2].calls, model[2].bad_call = 0, 1  # another transient: now seen at its producer
+        _run(model, optimizer, guard, 1)
+    last = guard.events[-1]
+    assert (last.layer, last.module_type) == ("2", "FirstTimeOnly")
+
+
+def test_under_warn_a_transient_escalates_too():
+    model = _transient_model(bad_call=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="warn") as guard:
+        _run(model, optimizer, guard, 3)
+        assert [e.verdict for e in guard.events] == ["transient"]
+        assert guard._detector.probing and not guard._detector.sentinel
+
+
+def test_without_escalation_the_guard_stays_a_sentinel():
+    model = _transient_model(bad_call=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, on_nan="skip", escalate=False) as guard:
+        _run(model, optimizer, guard, 4)
+        model[2].calls, model[2].bad_call = 0, 1
+        _run(model, optimizer, guard, 1)
+    assert [e.verdict for e in guard.events] == ["transient", "transient"]
+
+
+def test_an_intended_minus_inf_output_does_not_stop_the_sentinel():
+    """An RL policy returns logits + an additive -inf action mask; the loss and the gradients are finite."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.tensor([0.0, 0.0, float("-inf"), 0.0])
+    with nanguard.init(model, optimizer) as guard:
+        for _ in range(3):
+            logits = model(torch.randn(5, 8)) + mask
+            loss = -torch.log_softmax(logits, -1)[:, 0].mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 3 and not guard.events
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(nanguard.ConfigError, match="mode='fast'"):
+        nanguard.init(make_mlp(), mode="fast")
+
+
+def test_no_optimizer_decides_on_the_outputs_and_names_the_producer():
+    model = make_mlp()
+    model[2].armed = True
+    with nanguard.init(model) as guard, pytest.raises(nanguard.NonFiniteError) as info:
+        with torch.no_grad():
+            model(torch.randn(5, 8))
+    assert guard.step == 0
+    assert (info.value.event.layer, info.value.event.reproduced) == ("2", True)
+
