@@ -86,16 +86,19 @@ def main() -> None:
     parser.add_argument("--model", default="mlp",
                         help="a workload of overhead.py (mlp, hf-gpt2, resnet-bn, ...; default mlp)")
     parser.add_argument("--steps", type=int, default=20, help="N: the steps counted (default 20)")
+    parser.add_argument("--variant", action="append",
+                        help="an overhead.py variant to count (repeat: 'nanguard sentinel'); default: nanguard")
     args = parser.parse_args()
     if args.model not in overhead_models():
         parser.error(f"--model {args.model!r}: not a workload of overhead.py ({', '.join(overhead_models())})")
     repos = [r.resolve() for r in args.repo] if args.repo else [HERE.parent]
     plain = per_step(repos[0], "plain", args.model, args.steps)
     print(f"{args.model}, 1 thread: instructions per step (callgrind, N={args.steps})")
-    print("| checkout | plain | nanguard | nanguard / plain |\n|---|---:|---:|---:|")
+    print("| checkout | variant | plain | guarded | guarded / plain |\n|---|---|---:|---:|---:|")
     for repo in repos:
-        guarded = per_step(repo, "nanguard", args.model, args.steps)
-        print(f"| {repo} | {plain:,.0f} | {guarded:,.0f} | {guarded / plain:.3f} |", flush=True)
+        for variant in args.variant or ["nanguard"]:
+            guarded = per_step(repo, variant, args.model, args.steps)
+            print(f"| {repo} | {variant} | {plain:,.0f} | {guarded:,.0f} | {guarded / plain:.3f} |", flush=True)
 
 
 def overhead_models() -> list[str]:

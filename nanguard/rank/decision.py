@@ -401,8 +401,6 @@ class Decider:
             return
         if reading.bad:
             first = self._agreed(reading, owners, written, collectives, later)
-            if first is not None and first.event.reproduced is False:
-                self._escalate()  # (the same on every rank: the job's first event)
             if first is not None:
                 # in the flight recorder before a capture writes it
                 self.respond.step_ended(self.clock.index, loss=loss, extras=reading.extras, norms=series,
@@ -453,6 +451,8 @@ class Decider:
                     f" {first.event.layer or 'its model'}: it may have come here through a collective"
                     " inside the model (a synchronised norm)"))))
             self.respond.note(local, self.settings.on_nan)
+        if first is not None and first.event.reproduced is False:
+            self._escalate()  # (the same on every rank: the job's first event)
         return first
 
     def _look(self, reading: Reading, owners: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -471,7 +471,10 @@ class Decider:
         if finding is None:
             return None
         forward_bad = not all(map(math.isfinite, reading.probes[:look.forward_values]))
-        own = reading.local_grads_bad if reading.several else True
+        # a gradient the backward pass left non-finite, on this rank itself (not one the script made so
+        # after it, nor one a sum across ranks brought in): what a clean backward re-run disproves
+        own = detector.log.produced is not None and not all(map(math.isfinite, reading.norms)) and (
+            reading.local_grads_bad if reading.several else True)
         return _with_verdict(finding, look.reproduced(forward_bad, own), look, self.identity.host)
 
     def _escalate(self) -> None:
@@ -479,7 +482,7 @@ class Decider:
         every module is probed on every step from now on, so the next transient is caught at its producer."""
         if self.settings.escalate and self.settings.on_nan != "raise" and self.detector.sentinel:
             self.detector.sentinel = False
-            self.detector.probes_on()
+            self.detector.probes.install()
             log.warning("nanguard: a fault was not reproduced when re-run (a transient): every module is checked"
                         " on every step from now on (mode full; escalate=False keeps the sentinel)")
 

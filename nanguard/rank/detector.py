@@ -41,12 +41,12 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                     register_module_parameter_registration_hook)
 
 from .._tree import floating_tensors, named_floating_tensors
-from . import forensics, microscope
+from . import forensics
 from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import ddp_inner, is_wrapper, plain_names, type_name, untraced
-from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, gradless, version_of
+from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Context, Probe, Slot, StepLog, gradless, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
 # floating dtype: their outputs need no probe of their own, the probe of their input covers them.
@@ -101,10 +101,8 @@ class Detector:
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
                  detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
                  on_step_start: Callable[[], None] | None = None, keep_batches: bool = False,
-                 on_settle: Callable[[str], None] | None = None, sentinel: bool = False,
-                 outputs_decide: Callable[[], bool] = lambda: True):
-        self._skip_types = tuple(skip_types)
-        self._skip_modules = tuple(skip_modules)
+                 on_settle: Callable[[str], None] | None = None, sentinel: bool = False, outputs_decide=lambda: True):
+        self._skip_types, self._skip_modules = tuple(skip_types), tuple(skip_modules)
         self.on_root_end = on_root_end
         self.on_step_start = on_step_start
         self.on_settle = on_settle
@@ -140,18 +138,10 @@ class Detector:
         """the process-wide hooks that note what is registered into hooked modules (``_on_registration``)"""
         self.buffers = Buffers()
         self.feeds = Feeds()
-        self.sentinel = sentinel
-        """tier 1 (``mode="sentinel"``): the module probes are installed only while the microscope
-        re-runs a bad step (``probes_on``); each micro-batch's call is kept for that re-run"""
-        self.outputs_decide = outputs_decide
-        """whether a root's output is what the step is decided on (no optimizer steps: an
-        evaluation, inference); in sentinel mode it is probed then, and only then"""
-        self._probes: list[tuple[weakref.ref, Callable]] = []
-        """every module's forward hook (module, hook), installed while ``probing``"""
-        self._probe_handles: list[Any] = []
-        self.probing = not sentinel
-        self.rerunning = False
-        """the microscope is re-running a micro-batch: the root hooks leave the step's bookkeeping alone"""
+        self.sentinel = sentinel  # tier 1: module probes only in the microscope's re-run (``Probes``)
+        self.outputs_decide = outputs_decide  # a root's output decides (no optimizer): probed in sentinel mode
+        self.probes = Probes(on=not sentinel)
+        self.rerunning = False  # the microscope re-runs a micro-batch: the root hooks keep out of it
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -172,31 +162,11 @@ class Detector:
         _hook_root(self, root)
         return self._modules[root]
 
-    def probes_on(self) -> None:
-        """Install every module's probe (full mode for good; the microscope for one re-run)."""
-        self.probing = True
-        if not self._probe_handles:
-            self._probe_handles = [module.register_forward_hook(hook, with_kwargs=True)
-                                   for ref, hook in self._probes if (module := ref()) is not None]
-
-    def probes_off(self) -> None:
-        """Take the module probes out again (sentinel mode, after the microscope's re-run)."""
-        self.probing = False
-        for handle in self._probe_handles:
-            handle.remove()
-        self._probe_handles = []
-
-    def add_probe(self, module: nn.Module, hook: Callable) -> None:
-        self._probes.append((weakref.ref(module), hook))
-        if self.probing:
-            self._probe_handles.append(module.register_forward_hook(hook, with_kwargs=True))
-
     def detach(self) -> None:
-        for handle in self._handles + self.registrations + self._probe_handles:
+        for handle in self._handles + self.registrations:
             handle.remove()
         self._handles.clear()
-        self._probe_handles.clear()
-        self._probes.clear()
+        self.probes.forget()
         self.registrations.clear()
         self._modules = weakref.WeakKeyDictionary()
         self._root_slots = weakref.WeakKeyDictionary()
@@ -262,8 +232,7 @@ class Detector:
 
 
     def root_pre(self, root_slot: int, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
-        """A root forward begins: a new micro-batch, whose inputs (the batch) are probed. ``module``:
-        the one called (sentinel mode keeps the call for the microscope; None: not re-runnable)."""
+        """A root forward begins: a new micro-batch, its inputs (the batch) probed; ``module`` called."""
         if self.added:
             _hook_added(self)
         log = self.log
@@ -287,23 +256,11 @@ class Detector:
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.sentinel:
-                log.contexts.append(microscope.Context.now(module))
+                log.contexts.append(Context.now(module))
             if self.feeds.copying:
                 self._mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
-        self._batch_probes(inputs, root_slot)
-
-    def _batch_probes(self, inputs: list[torch.Tensor], root_slot: int) -> None:
-        for tensor in self._unchecked(inputs):
-            self._add(tensor, BATCH, root_slot, lazy=True)
-
-    def rerun_begins(self, root_slot: int, micro_batch: int, args: tuple, kwargs: dict) -> None:
-        """The microscope re-runs micro-batch ``micro_batch`` of the step: its span and its batch."""
-        self.log.spans.append((len(self.log.records), root_slot, micro_batch))
-        self._batch_probes(call_tensors(args, kwargs), root_slot)
-
-    def rerun_ends(self) -> None:
-        self.log.span_ends[len(self.log.spans) - 1] = len(self.log.records)
+        batch_probes(self, inputs, root_slot)
 
     def new_step(self) -> None:
         """Another model's optimizer stepped, in a guard with none of its own: micro-batches count
@@ -333,33 +290,14 @@ class Detector:
             log.span_ends[len(log.spans) - 1] = len(log.records)
         if output is None:
             return
-        if self.sentinel and not self.probing:
-            self._sentinel_output(output)
+        if self.sentinel and not self.probes.on:
+            _sentinel_output(self, output)
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
             self._let_go_clean()
         if self.on_root_end is not None:
             self.on_root_end()
-
-    def _sentinel_output(self, output: Any) -> None:
-        """Tier 1 at a root forward's end: where the output is what is decided on (no optimizer steps,
-        autograd off), its probe; else references to it (within the detail budget), told finite or not
-        on a bad step only, for the microscope's verdict."""
-        if not torch.is_grad_enabled() or self.outputs_decide():
-            fields = dict((id(t), path or None) for path, t in named_floating_tensors(output))
-            for tensor in self._unchecked(floating_tensors(output)):
-                self._add(tensor, OUT, self.slot_of_span(), field=fields.get(id(tensor)))
-            return
-        outputs = floating_tensors(output)
-        size = sum(t.numel() * t.element_size() for t in outputs)
-        if size <= self._detail_bytes - self._kept_bytes:
-            self._kept_bytes += size
-            self.log.outputs[len(self.log.spans) - 1] = [(t, version_of(t)) for t in outputs]
-
-    def slot_of_span(self) -> int:
-        """The root slot of the step's last root forward."""
-        return self.log.spans[-1][1]
 
     def _let_go_clean(self) -> None:
         """At the end of a forward on the CPU, let go of the tensors it kept for detail when every
@@ -405,22 +343,75 @@ class Detector:
         """Probes made since the last decision."""
         return len(self.log.records)
 
-    def clear_probes(self) -> None:
-        """Forget the step's probes, for the microscope's re-run to make them again."""
+    def reset(self, decided: bool = True) -> None:
+        """Forget this step's probes: after a decision, or (``decided=False``) for the microscope's
+        re-run to make them again."""
+        if decided:
+            self.feeds.step_decided(self.log.batches)
+            self.buffers.forget()
+            if not self.steps_elsewhere:
+                self._forwards.clear()
+            self.backward.armed = False  # (an output whose backward never ran: the next step's arms again)
         self.log.clear()
         self._seen.clear()
         self._kept_bytes = self._judged = 0
 
-    def reset(self) -> None:
-        """Forget this step's probes (after a decision)."""
-        self.feeds.step_decided(self.log.batches)
-        self.log.clear()
-        self.buffers.forget()
-        self._seen.clear()
-        self._kept_bytes = self._judged = 0
-        if not self.steps_elsewhere:
-            self._forwards.clear()
-        self.backward.armed = False  # (an output whose backward never ran: the next step's arms again)
+
+class Probes:
+    """Every module's forward hook, installed while ``on``: for good in full mode, for the microscope's
+    re-run of a bad step in sentinel mode (a clean step then runs no module hook at all)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self._hooks: list[tuple[weakref.ref, Callable]] = []
+        self._handles: list[Any] = []
+
+    def add(self, module: nn.Module, hook: Callable) -> None:
+        self._hooks.append((weakref.ref(module), hook))
+        if self.on:
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def install(self) -> None:
+        self.on = True
+        if not self._handles:
+            self._handles = [module.register_forward_hook(hook, with_kwargs=True)
+                             for ref, hook in self._hooks if (module := ref()) is not None]
+
+    def remove(self) -> None:
+        self.on = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def forget(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._hooks = [], []
+
+
+def batch_probes(detector: Detector, inputs: list[torch.Tensor], root_slot: int) -> None:
+    """The batch's (lazy) probes: checked exactly only once the step is known bad."""
+    for tensor in detector._unchecked(inputs):
+        detector._add(tensor, BATCH, root_slot, lazy=True)
+
+
+def _sentinel_output(detector: Detector, output: Any) -> None:
+    """Tier 1 at a root forward's end: where the output is what is decided on (no optimizer steps,
+    autograd off), its probe; else references to it (within the detail budget), told finite or not
+    on a bad step only, for the microscope's verdict."""
+    log = detector.log
+    if not log.spans:
+        return
+    outputs = floating_tensors(output)
+    if not torch.is_grad_enabled() or detector.outputs_decide():
+        fields = {id(t): path or None for path, t in named_floating_tensors(output)}
+        for tensor in detector._unchecked(outputs):
+            detector._add(tensor, OUT, log.spans[-1][1], field=fields.get(id(tensor)))
+        return
+    size = sum(t.numel() * t.element_size() for t in outputs)
+    if size <= detector._detail_bytes - detector._kept_bytes:
+        detector._kept_bytes += size
+        log.outputs[len(log.spans) - 1] = [(t, version_of(t)) for t in outputs]
 
 
 def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -475,7 +466,7 @@ def _hook_modules(detector: Detector, names: dict[nn.Module, str], root: nn.Modu
         named = root is not None and (module is root or module is ddp_inner(root))
         hook = forward_hook(detector, slot, mode, leaf, named=named, untouched=isinstance(
             module, nn.modules.dropout._DropoutNd) and not module.inplace)
-        detector.add_probe(module, hook)
+        detector.probes.add(module, hook)
 
 
 def _rename(detector: Detector, module: nn.Module, qualified: str) -> None:

@@ -70,8 +70,7 @@ class Guard:
                                   keep_batches=saves_batches or sentinel,
                                   on_settle=lambda apart: self._decider.settle_early(apart),
                                   sentinel=sentinel, outputs_decide=lambda: not self._clock.optimizer_seen)
-        if sentinel:
-            self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20)
+        self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20) if sentinel else 0
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)

@@ -19,46 +19,23 @@ reproduces: a clean re-run is a transient only where it re-ran everything the or
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from .._tree import floating_tensors
 from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot
+from .detector import Detector, batch_probes
 from .modules import ddp_inner, type_name
-from .records import CHECK, OUT, version_of
+from .records import CHECK, OUT, Context, version_of
 
-if TYPE_CHECKING:
-    from .detector import Detector
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts")
 """what the original pass left in the step's log that the re-run does not make again"""
 _CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions")
-
-
-@dataclass(slots=True)
-class Context:
-    """What a re-run of one micro-batch needs beside its arguments, taken as its forward began."""
-
-    module: weakref.ref | None
-    """the module the script called (a root, or the model its DDP wraps); None: no module to call"""
-    rng: dict[str, Any]
-    autocast: tuple[tuple[str, torch.dtype], ...]
-    """(device type, dtype) of each autocast in force"""
-    grad: bool
-
-    @classmethod
-    def now(cls, module: nn.Module | None) -> Context:
-        autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
-                         if torch.is_autocast_enabled(device))
-        return cls(weakref.ref(module) if module is not None else None, rng_snapshot(host=False), autocast,
-                   torch.is_grad_enabled())
 
 
 @dataclass(slots=True)
@@ -75,6 +52,8 @@ class Look:
     """the original forwards' root outputs held a non-finite value (None: not kept, or changed since)"""
     backward_bad: bool | None = None
     """the backward re-run from the kept output gradients made a non-finite parameter gradient (None: not run)"""
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """the floating outputs of each forward re-run, by micro-batch"""
     root_type: str = ""
     """the type of the model re-run (what a transient in its forward is reported on)"""
     gradient_in_bad: bool = False
@@ -117,16 +96,17 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     carried = {name: list(getattr(log, name)) for name in _CARRIED_LISTS}
     kept = {name: getattr(log, name) for name in _CARRIED}
     unpropagated = set(log.unpropagated)
-    checks = [(record.held(), record.slot) for record in log.records if record.role == CHECK]
     outputs, output_grads = dict(log.outputs), dict(log.output_grads)
+    checks = [(record.held(), record.slot, _place(record.held(), outputs)) for record in log.records
+              if record.role == CHECK]
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)))
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
     rng = rng_snapshot(host=False)
     buffers = _floating_buffers(detector)
     saved = [b.detach().clone() for b in buffers]
-    detector.clear_probes()
-    was_probing = detector.probing
-    detector.probes_on()
+    detector.reset(decided=False)
+    was_probing = detector.probes.on
+    detector.probes.install()
     detector.rerunning = True
     try:
         for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
@@ -135,14 +115,16 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
                        output_grads.get(forward), params)
         look.forward_values = len(log.values)
         names = {index: name for name, index in detector.catalog.check_names.items()}
-        for tensor, index in checks:
+        for tensor, index, place in checks:
+            if place is not None and place[0] in look.outputs and place[1] < len(look.outputs[place[0]]):
+                tensor = look.outputs[place[0]][place[1]]  # a loss the model returned: its re-run's
             if tensor is not None and index in names:
                 detector.check(tensor, names[index])
     finally:
         detector.rerunning = False
         detector.depth = 0
         if not was_probing:
-            detector.probes_off()
+            detector.probes.remove()
         rng_restore(rng)
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
@@ -169,7 +151,9 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     look.root_type = look.root_type or type_name(module)
     micro_batch = sum(1 for span in detector.log.spans if span[1] == slot)
     rng_restore(context.rng)
-    detector.rerun_begins(slot, micro_batch, args, kwargs)
+    log = detector.log
+    log.spans.append((len(log.records), slot, micro_batch))
+    batch_probes(detector, floating_tensors((args, kwargs)), slot)
     detector.depth = 1
     with ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(context.grad))
@@ -179,10 +163,11 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
             output = module(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
             look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
-            detector.rerun_ends()
+            log.span_ends[len(log.spans) - 1] = len(log.records)
             return
-        detector.rerun_ends()
+        log.span_ends[len(log.spans) - 1] = len(log.records)
         look.ran += 1
+        look.outputs[forward] = floating_tensors(output)
         if output_grad is not None and context.grad and not look.gradient_in_bad:
             look.backward_bad = _backward(look, output, output_grad, params) or bool(look.backward_bad)
 
@@ -204,6 +189,16 @@ def _backward(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
         return False
     with torch.no_grad():
         return any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _place(tensor: torch.Tensor | None, outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, int] | None:
+    """(forward, position among its floating outputs) of a checked tensor that a root forward
+    returned (a model's own loss), or None."""
+    for forward, held in outputs.items():
+        for k, (output, _) in enumerate(held):
+            if output is tensor:
+                return forward, k
+    return None
 
 
 def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: int) -> bool | None:

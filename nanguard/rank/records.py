@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
+from ..incident.rng import rng_snapshot
 
 _UNTRACKED = itertools.count(-1, -1)
 
@@ -337,6 +340,28 @@ def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else _on_one_device(torch.cat, pieces)
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(slots=True)
+class Context:
+    """What a re-run of one micro-batch needs beside its arguments, taken as its forward began."""
+
+    module: weakref.ref | None
+    """the module the script called (a root, or the model its DDP wraps); None: no module to call"""
+    rng: dict[str, Any]
+    autocast: tuple[tuple[str, torch.dtype], ...]
+    """(device type, dtype) of each autocast in force"""
+    grad: bool
+
+    @classmethod
+    def now(cls, module: nn.Module | None) -> Context:
+        autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                         if torch.is_autocast_enabled(device))
+        return cls(weakref.ref(module) if module is not None else None, rng_snapshot(host=False), autocast,
+                   torch.is_grad_enabled())
+
+
 @dataclass(slots=True)
 class StepLog:
     """One step's probes, in the order they were made, until its decision."""
@@ -374,7 +399,7 @@ class StepLog:
     """(root slot, args, kwargs, (tensor, ``version_of``) of each tensor in them) of every root
     forward: references, no copies; the versions tell a tensor refilled in place since (a static
     input buffer) from what the forward was fed"""
-    contexts: list[Any] = field(default_factory=list)
+    contexts: list[Context] = field(default_factory=list)
     """what a re-run of each of ``batches`` needs beside its arguments (``microscope.Context``): the
     module called, the RNG, autocast and grad mode as its forward began (sentinel mode)"""
     outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)

@@ -20,6 +20,12 @@ MARK = 1234.0
 which every run of that batch makes again)"""
 
 
+@pytest.fixture(autouse=True)
+def sentinel(monkeypatch):
+    """Every guard here is a sentinel unless it says otherwise."""
+    monkeypatch.setenv("NANGUARD_MODE", "sentinel")
+
+
 def _faulty_on_the_mark(model):
     model.register_forward_pre_hook(lambda module, args: setattr(module[2], "armed", bool((args[0] == MARK).any())))
 
@@ -237,7 +243,7 @@ def test_under_warn_a_transient_escalates_too():
     with nanguard.init(model, optimizer, on_nan="warn") as guard:
         _run(model, optimizer, guard, 3)
         assert [e.verdict for e in guard.events] == ["transient"]
-        assert guard._detector.probing and not guard._detector.sentinel
+        assert guard._detector.probes.on and not guard._detector.sentinel
 
 
 def test_without_escalation_the_guard_stays_a_sentinel():
