@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProtocolError
-from .protocol import KINDS, WARN_KINDS
+from .protocol import KINDS, VERDICTS_IN_JOB, WARN_KINDS
 
 
 _REPR = reprlib.Repr()
@@ -89,6 +89,13 @@ class Event:
     first_value: float | None = None
     grad_norm: float | None = None
     host: str = ""
+    reproduced: bool | None = None
+    """True: a re-run of the step from memory made the same value non-finite again; False: it did
+    not (a transient); None: no re-run was possible"""
+    verdict: str | None = None
+    """the verdict inside the job (``protocol.VERDICTS_IN_JOB``: reproducible, device, transient), or None"""
+    device: str = ""
+    """the device the rank computes on ("cuda:3 GPU-<uuid>", "cpu"), or "" when not known"""
     time: float = 0.0
     message: str = ""
     """one clause of context (what the input told, what is suspected)"""
@@ -175,13 +182,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Event) if f.default i
 _DEFAULTS["extra"] = {}
 _REQUIRED = ("kind", "rank", "step", "layer")
 # what each checked field must hold; the others (flags, dtype, time) are taken as they come
-_INT, _OPTIONAL_INT, _FLOAT, _STR, _INTS, _OBJECT, _OPTIONAL_STR = range(7)
+_INT, _OPTIONAL_INT, _FLOAT, _STR, _INTS, _OBJECT, _OPTIONAL_STR, _OPTIONAL_BOOL, _VERDICT = range(9)
 _CHECKS = {
     "rank": _INT, "step": _INT,
     **dict.fromkeys(("micro_batch", "numel", "bad_count", "nan_count", "inf_count"), _OPTIONAL_INT),
     **dict.fromkeys(("finite_min", "finite_max", "finite_mean", "first_value", "grad_norm"), _FLOAT),
-    **dict.fromkeys(("layer", "module_type", "host", "message"), _STR),
-    "output_field": _OPTIONAL_STR,
+    **dict.fromkeys(("layer", "module_type", "host", "device", "message"), _STR),
+    "output_field": _OPTIONAL_STR, "reproduced": _OPTIONAL_BOOL, "verdict": _VERDICT,
     "shape": _INTS, "first_index": _INTS, "extra": _OBJECT,
 }
 _INT_TYPE = frozenset((int,))
@@ -190,7 +197,8 @@ _NONE = type(None)
 _TYPE_RULES = {
     _INT: ((int,), None), _OPTIONAL_INT: ((int, _NONE), None), _FLOAT: ((float, int, str, _NONE), (float, _NONE)),
     _STR: ((str,), None), _INTS: ((list, tuple, _NONE), (_NONE,)), _OBJECT: ((dict,), None),
-    _OPTIONAL_STR: ((str, _NONE), None),
+    _OPTIONAL_STR: ((str, _NONE), None), _OPTIONAL_BOOL: ((bool, _NONE), (bool, _NONE)),
+    _VERDICT: ((str, _NONE), (_NONE,)),
 }
 
 
@@ -246,6 +254,13 @@ def _check_value(check: int, name: str, value: Any) -> Any:
     elif check == _STR or check == _OPTIONAL_STR:
         if not isinstance(value, str) and (value is not None or check == _STR):
             raise ProtocolError(f"event field {name}={shown(value)} is not a string")
+    elif check == _OPTIONAL_BOOL:
+        if value.__class__ is not bool and value is not None:  # 0 and 1 are not flags here
+            raise ProtocolError(f"event field {name}={shown(value)} is not true, false or null")
+    elif check == _VERDICT:
+        if value is not None and (not isinstance(value, str) or value not in VERDICTS_IN_JOB):
+            raise ProtocolError(f"event field {name}={shown(value)} is not one of "
+                                f"{', '.join(VERDICTS_IN_JOB)} or null")
     elif check == _INTS:
         if value is not None:
             if not isinstance(value, (list, tuple)) or not _INT_TYPE.issuperset(map(type, value)):

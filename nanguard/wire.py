@@ -179,7 +179,8 @@ _REASON = _text(500)
 _SECONDS = _number(0.0, 1e9)
 _TIMESTAMP = _number(0.0, 1e11)
 _GRAD_NORM = _optional(_number(0.0, math.inf, nonfinite=True))
-_EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "message": 2000, "output_field": 256}
+_EVENT_TEXT_MAX = {"layer": 1024, "module_type": 256, "host": 255, "device": 256, "message": 2000,
+                   "output_field": 256}
 """an event's text fields and their longest: printable text only (a stop's reason shows the layer)"""
 
 

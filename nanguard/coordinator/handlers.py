@@ -34,6 +34,9 @@ Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
 """answers ``message`` (from the connection ``routing id``) with a message of a type and body"""
 
 RANK_TYPES = frozenset(("hello", "heartbeat", "events", "captured", "stopped", "ack", "bye"))
+_NOT_REPRODUCED_VERDICTS = frozenset(("device", "transient"))
+"""the ``protocol.VERDICTS_IN_JOB`` that blame the rank's device (bad again there, clean on a peer's) or
+chance (clean when re-run): with ``reproduced`` false, what ``nanguard_transient_events_total`` counts"""
 _NO_OPERATOR_TOKEN = ("stopping a job needs the operator credential: set NANGUARD_OPERATOR_TOKEN on the "
                       "coordinator and in the operator's environment (ranks never hold it)")
 
@@ -105,6 +108,12 @@ class Handlers:
         # a rank speaks for itself: its events count under its own rank, whatever they say inside
         evaluation = action == OBSERVED  # an evaluation's: counted apart, never a reason to stop
         self.metrics.events({(kind, state.rank): count for kind, count in kinds.items()}, evaluation)
+        transients = Counter(
+            event.get("device") or state.device for event in events
+            if event.get("reproduced") is False or event.get("verdict") in _NOT_REPRODUCED_VERDICTS)
+        for device, count in transients.items():
+            # the host the rank registered with, as its rank label: a rank speaks for itself
+            self.metrics.transient(state.host, device, count, world_size=self.ranks.world_size)
         if not evaluation and self.stops.command is None and not self.policy.stop_kinds.isdisjoint(kinds):
             for event in events:
                 decision = self.policy.observe(event["kind"], state.rank, event["step"], event["layer"],

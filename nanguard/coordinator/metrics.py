@@ -1,7 +1,11 @@
 """The coordinator's Prometheus series, and the HTTP endpoint that serves them.
 
 Label values are only ranks (decimal strings), event kinds (``protocol.KINDS``), stop reasons and
-bad-message reasons from fixed lists: never a step, a layer or other free text.
+bad-message reasons from fixed lists: never a step, a layer or other free text. The one exception,
+``nanguard_transient_events_total{host,device}``, names where a re-run of a bad step was clean
+(the suspect GPU or host): its values are what the job's own ranks say of themselves (printable, cut at
+``MAX_LABEL_LENGTH``), and at most ``4 x world size`` (host, device) pairs are ever kept (``4096``
+when no world size is known); the pairs past that are counted under host="other", device="other".
 
 ``nanguard_stops_total{reason}`` counts each job's stop once, when the coordinator first learns
 of it: from its own policy (``nonfinite`` when the policy is the default stop at the first
@@ -19,9 +23,18 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
 
+from .._text import printable
 from ..protocol import BAD_MESSAGE_REASONS, STOP_KINDS, STOP_REASONS
 
 _MAX_INCIDENTS = 65536
+MAX_LABEL_LENGTH = 128
+"""the longest host or device label value of ``nanguard_transient_events_total``"""
+TRANSIENT_PAIRS_PER_RANK = 4
+"""(host, device) label pairs kept per rank of the world size (restarts move ranks to other devices)"""
+TRANSIENT_PAIRS_UNKNOWN_WORLD = 4096
+"""the pairs kept when no world size is known"""
+OTHER = "other"
+"""the host and device label values the pairs past the cap are counted under"""
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -45,6 +58,10 @@ class Metrics:
             "nanguard_evaluation_events_total",
             "Non-finite events of evaluations (forwards with autograd off between training steps); they never stop a job",
             ("kind", "rank"))
+        self.transient_events = counter(
+            "nanguard_transient_events_total",
+            "Events that a re-run of the bad step put on the rank's device or host (reproduced false, or "
+            "verdict device or transient): suspect that GPU or host", ("host", "device"))
         self.stops = counter("nanguard_stops_total", "Job stops, one per job, by why", ("reason",))
         self.bad_messages = counter("nanguard_bad_messages_total", "Messages dropped as bad")
         self.bad_reasons = counter(
@@ -76,6 +93,7 @@ class Metrics:
             self.bad_reasons.labels(reason)
         self._incident_ids: set[str] = set()
         self._dropped_seen: dict[int, int] = {}
+        self._transient_pairs: set[tuple[str, str]] = set()
 
     def events(self, counts: dict[tuple[str, int], int], evaluation: bool = False) -> None:
         """Add one batch's events, counted by (kind, rank); ``evaluation``: an evaluation's."""
@@ -83,6 +101,20 @@ class Metrics:
             family = self.evaluation_events if evaluation else (
                 self.nonfinite_events if kind in STOP_KINDS else self.warning_events)
             family.labels(kind, str(rank)).inc(count)
+
+    def transient(self, host: str, device: str, count: int = 1, *, world_size: int | None = None) -> None:
+        """``count`` events of ``host``'s ``device`` that a re-run did not reproduce. Label values
+        are made printable and cut; past ``TRANSIENT_PAIRS_PER_RANK x world_size`` distinct pairs
+        (kept across jobs, as the series are) the rest count under ``OTHER``."""
+        pair = (_label(host), _label(device))
+        if pair not in self._transient_pairs:
+            cap = (TRANSIENT_PAIRS_PER_RANK * world_size if world_size is not None and world_size > 0
+                   else TRANSIENT_PAIRS_UNKNOWN_WORLD)
+            if len(self._transient_pairs) < cap:
+                self._transient_pairs.add(pair)
+            else:
+                pair = (OTHER, OTHER)
+        self.transient_events.labels(*pair).inc(count)
 
     def stop(self, reason: str) -> None:
         if reason not in STOP_REASONS:
@@ -142,6 +174,13 @@ class Metrics:
                     continue  # this rank never reported that value
         self._dropped_seen.clear()
         self.job_stopped.set(0)
+
+
+def _label(text: str) -> str:
+    """A host or device as a label value: printable, at most MAX_LABEL_LENGTH characters, never
+    empty ("unknown": an empty value would read as no label at all)."""
+    text = printable(text)[:MAX_LABEL_LENGTH]
+    return text or "unknown"
 
 
 class MetricsServer:

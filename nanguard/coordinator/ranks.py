@@ -49,6 +49,8 @@ class RankState:
     """the session (``Message.sender``) whose hello registered this rank: the only one that speaks
     for it"""
     host: str = ""
+    device: str = ""
+    """the device its hello named ("cuda:1", "cpu"): where its events say none"""
     pid: int | None = None
     world_size: int | None = None
     step: int | None = None
@@ -155,6 +157,7 @@ class RankTable:
                      state.pid)
             state.sender = sender
         state.host, state.pid, state.world_size = body["host"], body["pid"], world_size
+        state.device = body["device"]
         state.finished = state.failed = False
         self.seen(state, routing_id, at)
         return Hello(state, new_session, admission)

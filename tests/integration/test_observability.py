@@ -47,6 +47,9 @@ PAGE_WITHIN_S = 60.0
 GRAFANA = {"$__rate_interval": "20s", "$__interval": "5s", "$__range": "10m", "$job": SCRAPE_JOB,
            "$rank": "0|1"}
 """what Grafana would put for its variables: the dashboard's job and both ranks selected"""
+NO_DATA_PANELS = {"Transient faults by host and device"}
+"""panels of a series this job never makes (nanguard_transient_events_total is born with the first
+fault that a re-run of its step does not reproduce): their queries must parse, not return data"""
 
 
 def free_port() -> int:
@@ -228,12 +231,13 @@ def dashboard_problems(prometheus: Prometheus, since: float) -> list[str]:
         for title, expr in answers:
             if not answers[title, expr].get("data", {}).get("result"):
                 answers[title, expr] = prometheus.query(expr)
-        if all(a.get("data", {}).get("result") for a in answers.values()) or time.monotonic() > deadline:
+        if all(a.get("data", {}).get("result") or (title in NO_DATA_PANELS and a.get("status") == "success")
+               for (title, _), a in answers.items()) or time.monotonic() > deadline:
             break
         time.sleep(1)
     problems = [f"panel {title!r}: {expr}: {a.get('error') or 'no data'}"
                 for (title, expr), a in answers.items()
-                if a["status"] != "success" or not a["data"]["result"]]
+                if a["status"] != "success" or not (a["data"]["result"] or title in NO_DATA_PANELS)]
     for annotation in (a for a in dashboard["annotations"]["list"] if "expr" in a):
         # Grafana asks for a range: one marker where the expression has a value
         answer = prometheus.get("/api/v1/query_range", query=grafana(annotation["expr"]),

@@ -147,3 +147,24 @@ def test_types_that_do_not_travel_to_the_coordinator_are_unexpected():
     coordinator = Coordinator()
     coordinator.refused("unexpected", Codec("x", None), "stop", {"command_id": "c", "reason": "r", "origin": "operator"})
     coordinator.refused("unexpected", Codec("x", None), "welcome", {"handshake_seq": 1})
+
+
+def test_events_a_re_run_did_not_reproduce_count_under_the_ranks_host_and_their_device():
+    coordinator = Coordinator()
+    rank = Codec("rank0@h:1:s1", None)
+    coordinator.receive(rank, "hello", HELLO)
+
+    def event(**fields):
+        return {"kind": "grad", "rank": 0, "step": 3, "layer": "w", "has_nan": True, **fields}
+
+    events = [event(reproduced=False, verdict="transient", device="cuda:0 GPU-1", host="somewhere-else"),
+              event(reproduced=None, verdict="device", device="cuda:0 GPU-1"),
+              event(reproduced=False),  # no device named: the one its hello named
+              event(reproduced=True, verdict="reproducible", device="cuda:0 GPU-1"),
+              event(reproduced=None, device="cuda:0 GPU-1"), event()]
+    coordinator.receive(rank, "events", {"rank": 0, "job": "job1", "events": events, "action": "skip"})
+    sample = coordinator.registry.get_sample_value
+    assert sample("nanguard_transient_events_total", {"host": "h", "device": "cuda:0 GPU-1"}) == 2
+    assert sample("nanguard_transient_events_total", {"host": "h", "device": "cpu"}) == 1
+    assert sample("nanguard_transient_events_total", {"host": "somewhere-else", "device": "cuda:0 GPU-1"}) is None
+    assert sample("nanguard_nonfinite_events_total", {"kind": "grad", "rank": "0"}) == 6

@@ -79,3 +79,40 @@ def test_serve_forever_after_shutdown_is_a_clean_exit(started):
     coordinator = started()
     coordinator.shutdown()
     assert coordinator.serve_forever() == 0
+
+
+def test_a_real_coordinator_counts_events_a_re_run_did_not_reproduce(started):
+    coordinator = started()
+    sock = dealer(coordinator.address)
+    codec = Codec("rank1@gpu-node-7:42:aa", None)
+
+    def ask(type_, body, to):
+        sock.send_multipart(codec.encode(type_, body, to=to))
+        assert sock.poll(10_000), f"no answer to {type_}"
+        return codec.decode(sock.recv_multipart())
+
+    def event(**fields):
+        return {"kind": "grad", "rank": 1, "step": 7, "layer": "fc.weight", "has_nan": True,
+                "host": "gpu-node-7", **fields}
+
+    try:
+        instance = ask("handshake", {}, "").sender
+        sock.send_multipart(codec.encode("hello", {
+            "rank": 1, "local_rank": 1, "world_size": 2, "host": "gpu-node-7", "pid": 42, "job": "j",
+            "device": "cuda:1", "version": "t"}, to=instance))
+        events = [event(reproduced=False, verdict="transient", device="cuda:1 GPU-5c1e"),
+                  event(reproduced=False, device="cuda:1 GPU-5c1e"),
+                  event(reproduced=True, verdict="reproducible", device="cuda:1 GPU-5c1e"),
+                  event(reproduced=None, device="cuda:1 GPU-5c1e"), event()]
+        sock.send_multipart(codec.encode("events", {"rank": 1, "job": "j", "events": events, "action": "skip"},
+                                         to=instance))
+        # one connection's messages are handled in order: the answer comes after the events counted
+        assert ask("status_request", {}, instance).body["ranks"][0]["events"] == 5
+        value = coordinator.registry.get_sample_value
+        assert value("nanguard_transient_events_total", {"host": "gpu-node-7", "device": "cuda:1 GPU-5c1e"}) == 2
+        assert value("nanguard_bad_messages_total") == 0
+        samples = [s for family in coordinator.registry.collect() if family.name == "nanguard_transient_events"
+                   for s in family.samples if s.name == "nanguard_transient_events_total"]
+        assert [(s.labels, s.value) for s in samples] == [({"host": "gpu-node-7", "device": "cuda:1 GPU-5c1e"}, 2)]
+    finally:
+        sock.close(linger=0)

@@ -85,7 +85,7 @@ def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_quiet
     names = set(alert_names())
     assert names >= {"NanguardNonFiniteEvent", "NanguardJobStopped", "NanguardRankSilent",
                      "NanguardRankStalled", "NanguardCoordinatorDown", "NanguardEventsDropped",
-                     "NanguardBadMessages"}
+                     "NanguardBadMessages", "NanguardTransientFaults"}
     assert names - firing == set(), "alerts never tested firing"
     assert names - quiet == set(), "alerts never tested quiet"
     assert (firing | quiet) - names == set(), "tests of alerts that do not exist"
@@ -129,6 +129,8 @@ def test_amtool_checks_the_alertmanager_config(tool):
 @pytest.mark.parametrize("labels, receiver", [
     (["alertname=NanguardNonFiniteEvent", "severity=critical", "job=nanguard-coordinator"], "nanguard-page"),
     (["alertname=NanguardRankSilent", "severity=warning", "job=nanguard-coordinator"], "nanguard-team"),
+    (["alertname=NanguardTransientFaults", "severity=warning", "job=nanguard-coordinator", "host=gpu-node-7",
+      "device=cuda:3"], "nanguard-team"),
 ])
 def test_alertmanager_routes_pages_and_warnings(tool, labels, receiver):
     out = run(tool("amtool"), "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
@@ -156,7 +158,7 @@ def test_dashboard_has_a_panel_for_every_signal_and_one_data_source():
     titles = " | ".join(p["title"].lower() for p in shown)
     for needed in ("events by rank and kind", "ranks alive", "step per rank", "stragglers",
                    "gradient norm", "step time", "incidents", "dropped events", "bad messages", "stops",
-                   "alerts"):
+                   "alerts", "transient faults by host and device"):
         assert needed in titles, needed
 
 

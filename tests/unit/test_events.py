@@ -1,11 +1,14 @@
+import dataclasses
 import json
 import math
+import re
 import threading
 
 import pytest
 
 from nanguard import Event, ProtocolError
 from nanguard.events import EventLog
+from nanguard.protocol import VERDICTS_IN_JOB
 
 
 def make_event(**kw):
@@ -65,3 +68,54 @@ def test_ring_is_bounded_and_thread_safe():
 def test_an_event_of_the_root_module_names_the_model():
     event = Event(kind="forward", rank=0, step=3, layer="", module_type="LM", input_nonfinite=False)
     assert event.where() == "non-finite output in the model (LM) at step 3, rank 0"
+
+
+# --- what a re-run of the step said: reproduced, verdict, device ---------------------------------
+
+
+@pytest.mark.parametrize("reproduced, verdict", [(True, "reproducible"), (False, "transient"),
+                                                 (False, "device"), (None, None)])
+def test_the_re_run_fields_round_trip_full_and_compact(reproduced, verdict):
+    event = make_event(reproduced=reproduced, verdict=verdict, device="cuda:3 GPU-5c1e0a2b", host="gpu-node-7")
+    full = json.loads(json.dumps(event.to_dict(), allow_nan=False))
+    assert (full["reproduced"], full["verdict"], full["device"]) == (reproduced, verdict, "cuda:3 GPU-5c1e0a2b")
+    compact = json.loads(json.dumps(event.to_dict(compact=True), allow_nan=False))
+    for back in (Event.from_dict(full), Event.from_dict(compact)):
+        assert (back.reproduced, back.verdict, back.device) == (reproduced, verdict, "cuda:3 GPU-5c1e0a2b")
+        assert back.to_dict() == event.to_dict()
+
+
+def test_the_re_run_fields_default_to_unknown_and_stay_off_the_compact_wire():
+    event = make_event()
+    assert (event.reproduced, event.verdict, event.device) == (None, None, "")
+    assert not {"reproduced", "verdict", "device"} & set(event.to_dict(compact=True))
+    names = [f.name for f in dataclasses.fields(Event)]
+    assert names[names.index("host"):names.index("host") + 4] == ["host", "reproduced", "verdict", "device"]
+
+
+BASE = {"kind": "grad", "rank": 0, "step": 0, "layer": ""}
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("reproduced", 0, "reproduced=0 is not true, false or null"),
+    ("reproduced", 1, "reproduced=1 is not true, false or null"),
+    ("reproduced", "false", "reproduced='false' is not true, false or null"),
+    ("reproduced", [], "reproduced"),
+    ("verdict", "maybe", "verdict='maybe' is not one of reproducible, device, transient"),
+    ("verdict", "", "verdict"),
+    ("verdict", True, "verdict"),
+    ("verdict", 1, "verdict"),
+    ("device", 3, "device=3 is not a string"),
+    ("device", None, "device"),
+])
+def test_from_dict_refuses_bad_re_run_fields(field, value, fragment):
+    with pytest.raises(ProtocolError, match=re.escape(fragment)):
+        Event.from_dict({**BASE, field: value})
+    # the same, with every other field there too (another cached plan of names and types)
+    with pytest.raises(ProtocolError, match=re.escape(fragment)):
+        Event.from_dict({**make_event().to_dict(), field: value})
+
+
+@pytest.mark.parametrize("verdict", [*VERDICTS_IN_JOB, None])
+def test_every_verdict_of_the_vocabulary_is_taken(verdict):
+    assert Event.from_dict({**BASE, "verdict": verdict, "reproduced": verdict != "reproducible"}).verdict == verdict

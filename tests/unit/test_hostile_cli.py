@@ -352,6 +352,32 @@ def test_a_rank_escapes_its_event_text_and_the_schema_takes_it(layer, module_typ
 
 
 @PROPERTY
+@given(text=hostile_text | printable_text, field=st.sampled_from(["host", "device"]))
+def test_an_event_host_or_device_is_printable_text_on_the_wire(text, field):
+    """The device an event names becomes a label of ``nanguard_transient_events_total`` and a line
+    of the coordinator's log: refused with a control character in it, as the host is; a rank's
+    ``wire_event`` escapes it first."""
+    event = Event(kind="grad", rank=0, step=1, layer="w", reproduced=False, verdict="transient",
+                  **{field: text})
+    body = {"rank": 0, "job": "j", "events": [event.to_dict()]}
+    if text.isprintable():
+        assert check_body("events", body)["events"][0][field] == text
+    else:
+        with pytest.raises(ProtocolError) as refused:
+            check_body("events", body)
+        assert refused.value.reason == "schema" and field in str(refused.value)
+    checked = check_body("events", {**body, "events": [wire_event(event.to_dict(compact=True))]})
+    assert checked["events"][0].get(field, "") == printable(text)
+
+
+def test_an_event_device_is_bounded():
+    event = Event(kind="grad", rank=0, step=1, layer="w", device="cuda:0 " + "x" * 300).to_dict()
+    with pytest.raises(ProtocolError, match="device: longer than 256 characters"):
+        check_body("events", {"rank": 0, "job": "j", "events": [event]})
+    assert len(wire_event(dict(event, device="\x07" * 200))["device"]) <= 256
+
+
+@PROPERTY
 @given(text=hostile_text, as_key=st.booleans())
 def test_an_event_extra_with_a_raw_control_character_is_refused(text, as_key):
     """``extra`` reaches the coordinator's event log as received: no raw DEL, C1 or format control

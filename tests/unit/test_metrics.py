@@ -5,7 +5,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from nanguard.coordinator.metrics import Metrics, MetricsServer
+from nanguard.coordinator.metrics import (MAX_LABEL_LENGTH, TRANSIENT_PAIRS_UNKNOWN_WORLD, Metrics,
+                                          MetricsServer)
 from nanguard.protocol import BAD_MESSAGE_REASONS as BAD_REASONS
 
 
@@ -97,3 +98,32 @@ def test_http_endpoint_serves_the_registry(registry, metrics):
     finally:
         server.close()
     assert 'nanguard_stops_total{reason="nonfinite"} 1.0' in text
+
+
+def test_transient_events_count_by_host_and_device(registry, metrics):
+    metrics.transient("gpu-node-7", "cuda:3 GPU-5c1e", world_size=8)
+    metrics.transient("gpu-node-7", "cuda:3 GPU-5c1e", 2, world_size=8)
+    metrics.transient("gpu-node-2", "cuda:0 GPU-77aa", world_size=8)
+    assert value(registry, "nanguard_transient_events_total", host="gpu-node-7", device="cuda:3 GPU-5c1e") == 3
+    assert value(registry, "nanguard_transient_events_total", host="gpu-node-2", device="cuda:0 GPU-77aa") == 1
+
+
+def test_transient_label_values_are_printable_bounded_and_never_empty(registry, metrics):
+    metrics.transient("node\x1b[2J", "x" * 1000, world_size=2)
+    metrics.transient("", "", world_size=2)
+    assert value(registry, "nanguard_transient_events_total", host="node\\x1b[2J", device="x" * MAX_LABEL_LENGTH) == 1
+    assert value(registry, "nanguard_transient_events_total", host="unknown", device="unknown") == 1
+
+
+@pytest.mark.parametrize("world_size, cap", [(2, 8), (None, TRANSIENT_PAIRS_UNKNOWN_WORLD)])
+def test_transient_label_pairs_are_capped_and_the_rest_fold_into_other(registry, metrics, world_size, cap):
+    for i in range(cap + 5):
+        metrics.transient(f"node{i}", "cuda:0", world_size=world_size)
+    metrics.transient("node0", "cuda:0", world_size=world_size)  # a pair already kept still counts as itself
+    samples = [s for family in registry.collect() if family.name == "nanguard_transient_events"
+               for s in family.samples if s.name == "nanguard_transient_events_total"]
+    assert len(samples) == cap + 1
+    assert value(registry, "nanguard_transient_events_total", host="node0", device="cuda:0") == 2
+    assert value(registry, "nanguard_transient_events_total", host=f"node{cap - 1}", device="cuda:0") == 1
+    assert value(registry, "nanguard_transient_events_total", host=f"node{cap}", device="cuda:0") is None
+    assert value(registry, "nanguard_transient_events_total", host="other", device="other") == 5

@@ -102,6 +102,24 @@ def test_normalised_bodies():
     assert round_trip(codec, "heartbeat", beat).body["grad_norm"] == math.inf
 
 
+def test_an_event_carries_what_the_re_run_said():
+    transient = Event(kind="grad", rank=1, step=25, layer="blocks.1.gate.weight", has_nan=True, host="node1",
+                      reproduced=False, verdict="transient", device="cuda:1 GPU-5c1e0a2b-77d3")
+    codec = Codec("a", None)
+    for event in (transient.to_dict(), transient.to_dict(compact=True)):
+        body = round_trip(codec, "events", dict(BODIES["events"], events=[event])).body
+        assert Event(**body["events"][0]) == transient
+
+
+@pytest.mark.parametrize("field, value", [("reproduced", 0), ("reproduced", "no"), ("verdict", "maybe"),
+                                          ("device", "cuda:0\x1b[2J"), ("device", "\u202ecuda:0"),
+                                          ("device", "c" * 257), ("device", 7)])
+def test_an_event_with_a_bad_re_run_field_is_refused_as_schema(field, value):
+    event = dict(EVENT.to_dict(compact=True), **{field: value})
+    error = refused(Codec(RECEIVER, None), [envelope("events", dict(BODIES["events"], events=[event]))])
+    assert error.reason == "schema" and field in str(error)
+
+
 def test_seq_grows_per_codec():
     codec = Codec("a", None)
     seqs = [round_trip(codec, "bye", BODIES["bye"]).seq for _ in range(3)]

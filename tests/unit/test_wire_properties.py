@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from nanguard import ProtocolError
 from nanguard.client import Link
-from nanguard.protocol import WIRE_REASONS
+from nanguard.protocol import VERDICTS_IN_JOB, WIRE_REASONS
 from nanguard.wire import TYPES, Codec, Message
 
-from test_wire import BODIES
+from test_wire import BODIES, EVENT
 
 RECEIVER = "coordinator@h:1:aa"
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -123,3 +123,19 @@ def test_the_client_reads_any_reply_as_a_message_or_a_protocol_error(frames, typ
             assert exc.reason in WIRE_REASONS, exc.reason
         else:
             assert isinstance(message, Message) and message.type in ("welcome", "stop")
+
+
+@PROPERTY
+@given(field=st.sampled_from(["reproduced", "verdict"]), value=json_values | st.sampled_from(VERDICTS_IN_JOB),
+       compact=st.booleans())
+def test_an_event_re_run_field_is_taken_exactly_when_it_is_of_its_vocabulary(field, value, compact):
+    """``reproduced``: true, false or null, never 0 or 1; ``verdict``: one of VERDICTS_IN_JOB or
+    null. Anything else in one event refuses the message (schema), whatever the rest holds."""
+    event = dict(EVENT.to_dict(compact=compact), **{field: value})
+    envelope = {"v": 2, "type": "events", "sender": "s", "seq": 1, "time": time.time(), "to": RECEIVER,
+                "body": {"rank": 1, "job": "j", "events": [EVENT.to_dict(), event]}}
+    message = decoded_or_refused(Codec(RECEIVER, None), [json.dumps(envelope).encode()])
+    valid = value is None or (value.__class__ is bool if field == "reproduced" else value in VERDICTS_IN_JOB)
+    assert (message is not None) is valid, (field, value)
+    if message is not None:
+        assert message.body["events"][1][field] is value or message.body["events"][1][field] == value
