@@ -168,7 +168,9 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
         log.span_ends[len(log.spans) - 1] = len(log.records)
         look.ran += 1
         look.outputs[forward] = floating_tensors(output)
-        if output_grad is not None and context.grad and not look.gradient_in_bad:
+        # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
+        if output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
+                module, "set_custom_reduce_scatter"):
             look.backward_bad = _backward(look, output, output_grad, params) or bool(look.backward_bad)
 
 

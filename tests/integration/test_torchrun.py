@@ -75,6 +75,40 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
         assert incident.rank_batches(rank) and incident.rank_state(rank)["model"]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("worker, fault, accum, micro, kind, layer, same_weights", [
+    ("ddp_train.py", "forward", 1, 0, "forward", FAULT_LAYER, True),
+    ("ddp_train.py", "backward", 1, 0, "grad", "blocks.1.fc.weight", True),
+    ("ddp_train.py", "forward", 3, 2, "forward", FAULT_LAYER, True),  # no_sync micro-batches
+    ("ddp_train.py", "backward", 3, 1, "grad", "blocks.1.fc.weight", True),
+    ("fsdp_train.py", "forward", 1, 0, "forward", FAULT_LAYER, False),  # the ranks re-run together
+])
+def test_the_sentinel_names_what_the_full_mode_names_and_the_re_run_reproduces_it(
+        torchrun, worker, fault, accum, micro, kind, layer, same_weights):
+    events = {}
+    for mode in ("full", "sentinel"):
+        job = torchrun.standalone(worker, "--fault", fault, "--fault-rank", "1", "--fault-step", "3",
+                                  "--fault-micro", str(micro), "--accum", str(accum), "--steps", "5",
+                                  "--mode", mode)
+        events[mode] = assert_common_stop(job.ok(world=2), step=3, same_weights_across_ranks=same_weights)
+    full, sentinel = events["full"], events["sentinel"]
+    for name in ("step", "rank", "kind", "layer", "module_type", "micro_batch", "input_nonfinite"):
+        assert full[name] == sentinel[name], (name, full, sentinel)
+    assert (sentinel["kind"], sentinel["layer"], sentinel["rank"]) == (kind, layer, 1)
+    assert (sentinel["reproduced"], sentinel["verdict"], sentinel["device"]) == (True, "reproducible", "cpu")
+    assert full["reproduced"] is None
+
+
+@pytest.mark.timeout(180)
+def test_a_fault_of_the_moment_on_one_rank_is_a_transient_of_that_rank(torchrun):
+    # rank 1's forward goes NaN once, as a device's fault would; its re-run is clean
+    job = torchrun.standalone("ddp_train.py", "--fault", "forward", "--fault-once", "--fault-rank", "1",
+                              "--fault-step", "3", "--steps", "5", "--mode", "sentinel")
+    event = assert_common_stop(job.ok(world=2), step=3)
+    assert (event["rank"], event["reproduced"], event["verdict"], event["device"]) == (1, False, "transient", "cpu")
+    assert event["layer"] == "" and "not reproduced" in event["message"]
+
+
 @pytest.mark.timeout(180)
 def test_ddp_a_nan_that_a_collective_in_the_forward_spreads_is_named_on_the_rank_it_was_born(torchrun):
     # a cross-rank mean before the head hands rank 1's NaN to rank 0, where the first bad output is

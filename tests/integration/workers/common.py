@@ -61,20 +61,28 @@ class _HugeGrad(_NaNGrad):
 
 
 class Fault(nn.Module):
-    """A parameter-free leaf module that misbehaves only while ``mode`` is set."""
+    """A parameter-free leaf module that misbehaves while ``mode`` is set, and from then on whenever it
+    is fed the same input again (a fault of the data: nanguard's microscope re-runs the step and meets
+    it again). ``once``: only while ``mode`` is set (a fault of the moment, as a device's would be)."""
 
     def __init__(self):
         super().__init__()
         self.mode: str | None = None
+        self.once = False
+        self.seen: dict[tuple, str] = {}
 
     def forward(self, x):
-        if self.mode == "forward":
+        key = (tuple(x.shape), x.detach().double().sum().item())
+        if self.mode is not None and not self.once:
+            self.seen[key] = self.mode
+        mode = self.mode if self.mode is not None else self.seen.get(key)
+        if mode == "forward":
             return torch.log(-1.0 - x.abs())  # log of a negative number: NaN
-        if self.mode == "backward":
+        if mode == "backward":
             return _NaNGrad.apply(x)
-        if self.mode == "backward-one":
+        if mode == "backward-one":
             return _OneNaNGrad.apply(x)
-        if self.mode == "backward-huge":
+        if mode == "backward-huge":
             return _HugeGrad.apply(x)
         return x
 
@@ -215,6 +223,9 @@ def parser() -> argparse.ArgumentParser:
                    help="every rank wraps the model again (a new DDP) at this step, and lets the old one go")
     p.add_argument("--zero", action="store_true", help="a ZeroRedundancyOptimizer shards AdamW's state across ranks")
     p.add_argument("--on-nan", default="raise")
+    p.add_argument("--mode", default=None, help="nanguard's mode (sentinel, full); default: nanguard's")
+    p.add_argument("--fault-once", action="store_true",
+                   help="the fault is of the moment: a re-run of the step does not meet it (a device's)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every step")
     p.add_argument("--warn-every-step", action="store_true",
                    help="a grad-norm warning event on every step (an event storm)")
@@ -254,6 +265,8 @@ def run(args: argparse.Namespace, wrap) -> int:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     overrides = {"grad_norm_warn": 1e-12} if args.warn_every_step else {}
+    if args.mode is not None:
+        overrides["mode"] = args.mode
     guard = nanguard.init(model, optimizer, on_nan=args.on_nan, **overrides)
     if args.fp16_hook_after_init:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -262,6 +275,7 @@ def run(args: argparse.Namespace, wrap) -> int:
     generator = torch.Generator().manual_seed(100 + rank)
     faulty = _is_faulty_process(args, rank)
     fault_module = net.blocks[1].fault
+    fault_module.once = args.fault_once
     result: dict[str, Any] = {
         "rank": rank, "world": world, "host": socket.gethostname(),
         "node": os.environ.get("NG_TEST_NODE"), "faulty": faulty,
