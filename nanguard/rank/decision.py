@@ -461,13 +461,17 @@ class Decider:
         full probes, the diagnosis reads what they made, and the finding says whether the re-run
         reproduced it."""
         detector = self.detector
-        with microscope.rerun(detector, owners, reading.probes) as look:
-            log = detector.log
-            fresh = read_step(log.values, [], [], None, early=False, stop=False, watches_buckets=False,
-                              evidence=log.evidence, slots=(log.value_slots, log.evidence_slots))
-            reading = replace(reading, probes=fresh.probes if fresh is not None else [],
-                              evidence=fresh.evidence if fresh is not None else [])
-            finding = self._diagnose(reading, owners, grads, written, later)
+        try:
+            with microscope.rerun(detector, owners, reading.probes) as look:
+                made = detector.log
+                fresh = read_step(made.values, [], [], None, early=False, stop=False, watches_buckets=False,
+                                  evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
+                reading = replace(reading, probes=fresh.probes if fresh is not None else [],
+                                  evidence=fresh.evidence if fresh is not None else [])
+                finding = self._diagnose(reading, owners, grads, written, later)
+        except Exception:  # noqa: BLE001 - a bad step is acted on whatever the re-run does
+            log.exception("nanguard: the microscope's re-run of a bad step failed; the step is judged without it")
+            return self._diagnose(replace(reading, probes=[], evidence=[]), owners, grads, written, later)
         if finding is None:
             return None
         forward_bad = not all(map(math.isfinite, reading.probes[:look.forward_values]))

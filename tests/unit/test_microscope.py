@@ -286,3 +286,31 @@ def test_no_optimizer_decides_on_the_outputs_and_names_the_producer():
     assert guard.step == 0
     assert (info.value.event.layer, info.value.event.reproduced) == ("2", True)
 
+
+
+class OnceOnly(nn.Module):
+    """A model part that refuses to run twice on one batch (it consumes an iterator, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.seen = set()
+
+    def forward(self, x):
+        key = x.sum().item()
+        if key in self.seen:
+            raise RuntimeError("this batch was consumed already")
+        self.seen.add(key)
+        return self.lin(x) * float("nan")
+
+
+def test_a_model_that_fails_when_re_run_is_still_stopped_and_says_it_could_not_tell():
+    model = OnceOnly()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.init(model, optimizer) as guard:
+        err = _run(model, optimizer, guard, 1)
+    event = err.event
+    assert (event.step, event.reproduced, event.verdict) == (0, None, None)
+    assert "its re-run raised RuntimeError: this batch was consumed already" in event.message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
