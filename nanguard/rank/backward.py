@@ -158,6 +158,11 @@ class BackwardWatch:
             return  # another torch's FSDP2: its gradients are not watched
         self.watches_buckets = True
 
+    @property
+    def ddp(self) -> bool:
+        """Whether a DDP's buckets are watched (its ranks hold the same weights)."""
+        return bool(self._ddps)
+
     def watched(self) -> bool:
         """Whether this step's own gradients were seen before they were summed across ranks: not
         when nothing was probed there (one rank: FSDP2 sums nothing; a reduce-scatter that a

@@ -23,7 +23,7 @@ from .._dist import Collectives, RankInfo
 from ..config import Settings
 from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
-from . import diagnose, forensics, microscope
+from . import diagnose, forensics, microscope, peer
 from .backward import as_left, gradient_norms
 from .detector import Detector
 from .diagnose import Finding
@@ -307,6 +307,8 @@ class Decider:
         """a bad value of a forward with autograd off settled apart as the step's first training forward
         began (a teacher's targets, computed under no_grad): a loss made of it is told so"""
         """a bad step found by settle_early(), waiting for the next decision"""
+        self._seen: microscope.Look | None = None
+        """what the microscope saw of the step being decided"""
         self._bad_at: int | None = None
         """the index of the last step found bad (its other optimizers' steps are that step's)"""
 
@@ -426,12 +428,16 @@ class Decider:
         this rank's own, when another rank's is the job's, is noted beside it. ``later``: the
         parameters of ``reading.applied``."""
         grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
+        sentinel, self._seen = self.detector.sentinel, None
         if self._early is not None:
             local = self._take_early()
-        elif self.detector.sentinel:
+        elif sentinel:
             local = self._look(reading, owners, grads, written, later)
         else:
             local = self._diagnose(reading, owners, grads, written, later)
+        if sentinel and reading.several and self.detector.backward.ddp:  # (alike on every rank)
+            peer.compare(self.collectives, self.detector, self._seen, local.event if local is not None else None,
+                         int(self.settings.detail_mb * 2**20), owners)
         aside, self._aside = self._aside, None
         if local is not None and aside is not None and local.event.kind in ("grad", "loss"):
             local.event.message = "; ".join(filter(None, (local.event.message, _ASIDE.format(
@@ -463,6 +469,7 @@ class Decider:
         detector = self.detector
         try:
             with microscope.rerun(detector, owners, reading.probes) as look:
+                self._seen = look
                 made = detector.log
                 fresh = read_step(made.values, [], [], None, early=False, stop=False, watches_buckets=False,
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))

@@ -56,6 +56,10 @@ class Look:
     """the floating outputs of each forward re-run, by micro-batch"""
     root_type: str = ""
     """the type of the model re-run (what a transient in its forward is reported on)"""
+    bad: list[int] = field(default_factory=list)
+    """the micro-batches whose re-run made a non-finite output or gradient"""
+    output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    """the gradients that reached each forward's output in the original pass (``StepLog.output_grads``)"""
     gradient_in_bad: bool = False
     """a gradient that reached a root's output in the original pass was non-finite: it came from above
     the model (the loss), which no re-run of the model makes"""
@@ -99,10 +103,11 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     outputs, output_grads = dict(log.outputs), dict(log.output_grads)
     checks = [(record.held(), record.slot, _place(record.held(), outputs)) for record in log.records
               if record.role == CHECK]
-    look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)))
+    look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
+                output_grads=output_grads)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
     rng = rng_snapshot(host=False)
-    buffers = _floating_buffers(detector)
+    buffers = floating_buffers(detector)
     saved = [b.detach().clone() for b in buffers]
     detector.reset(decided=False)
     was_probing = detector.probes.on
@@ -168,13 +173,23 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
         log.span_ends[len(log.spans) - 1] = len(log.records)
         look.ran += 1
         look.outputs[forward] = floating_tensors(output)
+        bad = not all_finite(look.outputs[forward])
         # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
-        if output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
+        if not bad and output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
                 module, "set_custom_reduce_scatter"):
-            look.backward_bad = _backward(look, output, output_grad, params) or bool(look.backward_bad)
+            bad = backward_bad(look, output, output_grad, params)
+            look.backward_bad = bad or bool(look.backward_bad)
+        if bad:
+            look.bad.append(forward)
 
 
-def _backward(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (exact; reads the host: on a bad step only)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
               params: list[torch.Tensor]) -> bool:
     """The re-run's backward pass from its output, fed the gradient the original's output received:
     whether it made a parameter's gradient non-finite (read into no ``.grad``)."""
@@ -189,8 +204,7 @@ def _backward(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
     except RuntimeError as exc:
         look.missed.append(f"a backward pass: its re-run raised {exc}")
         return False
-    with torch.no_grad():
-        return any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+    return not all_finite([g for g in grads if g is not None])
 
 
 def _place(tensor: torch.Tensor | None, outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, int] | None:
@@ -218,7 +232,7 @@ def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: i
     return bad
 
 
-def _floating_buffers(detector: Detector) -> list[torch.Tensor]:
+def floating_buffers(detector: Detector) -> list[torch.Tensor]:
     """Every floating buffer of the guarded models (a re-run in training mode writes BatchNorm's)."""
     seen: set[int] = set()
     found = []
