@@ -48,6 +48,7 @@ def request(detector: Detector, look: microscope.Look, budget: int) -> dict[str,
     rng = context.rng
     cuda = rng["cuda"][torch.cuda.current_device()] if rng["cuda"] else None
     return {"slot": slot, "args": map_tensors(args, cpu), "kwargs": map_tensors(kwargs, cpu),
+            "weights": _weights(detector, slot),
             "rng": torch_state(rng["torch"]), "cuda": cuda, "autocast": context.autocast, "grad": context.grad,
             "output_grad": None if grad is None else (grad[0], cpu(grad[1])), "device": microscope.device_name()}
 
@@ -59,6 +60,9 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
     module = info.module() if info is not None else None
     if module is None:
         return "the model is gone on the peer"
+    if _weights(detector, asked["slot"]) != asked["weights"]:
+        return ("the ranks' weights differ (DDP's replicas are no longer the same: the script changed one"
+                " rank's, or a device corrupted them)")
     module = ddp_inner(module) or module
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     moved = (lambda t: t.to(device))
@@ -92,6 +96,17 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
+
+
+def _weights(detector: Detector, slot: int) -> list[float] | None:
+    """A fingerprint of a root's weights, alike on ranks whose replicas are the same (each parameter's
+    sum in float64, read on the bad step only; NaN as the string "nan", which compares equal)."""
+    module = detector.catalog.slots[slot].module() if slot < len(detector.catalog.slots) else None
+    if module is None:
+        return None
+    with torch.no_grad():
+        sums = [p.detach().double().sum() for p in module.parameters()]
+    return [repr(v) for v in torch.stack(sums).tolist()] if sums else []
 
 
 def compare(collectives: Collectives, detector: Detector, look: microscope.Look | None, event: Any,

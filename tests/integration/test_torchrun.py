@@ -85,6 +85,8 @@ def test_ddp_forward_nan_on_one_rank_stops_every_rank_before_the_update(torchrun
     ("ddp_train.py", "backward", 3, 1, "grad", "blocks.1.fc.weight", True, "device"),
     # a NaN in the batch is bad wherever it is re-run
     ("ddp_train.py", "input", 1, 0, "forward", FIRST_LAYER, True, "reproducible"),
+    # rank 1's own weight went NaN before the step: the replicas differ, so no peer can re-run it
+    ("ddp_train.py", "weight", 1, 0, "forward", "blocks.1.fc", False, "reproducible"),
     # FSDP2: the ranks re-run together; no peer holds a whole copy of the weights to compare on
     ("fsdp_train.py", "forward", 1, 0, "forward", FAULT_LAYER, False, "reproducible"),
 ])
@@ -102,7 +104,9 @@ def test_the_sentinel_names_what_the_full_mode_names_and_the_re_run_reproduces_i
     assert (sentinel["kind"], sentinel["layer"], sentinel["rank"]) == (kind, layer, 1)
     assert (sentinel["reproduced"], sentinel["verdict"], sentinel["device"]) == (True, verdict, "cpu"), sentinel["message"]
     said = {"device": "clean when re-run on rank 0's device", "reproducible": "bad again when re-run on rank 0's"}
-    if worker == "ddp_train.py":
+    if fault == "weight":
+        assert "the ranks' weights differ" in sentinel["message"], sentinel["message"]
+    elif worker == "ddp_train.py":
         assert said[verdict] in sentinel["message"], sentinel["message"]
     assert full["reproduced"] is None
 
