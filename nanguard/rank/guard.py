@@ -28,6 +28,7 @@ from ..replay import Replay, StepObserver, watch_exit
 from . import resume
 from .decision import Decider, StepClock
 from .detector import Detector
+from .records import StepLog
 from .modules import ddp_inner, unwrap_optimizer
 from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update
@@ -79,7 +80,7 @@ class Guard:
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
                                   lambda: models_to_save(self._roots, self._detector.catalog),
-                                  lambda model: step_inputs(self._detector, model, self._rng, saves_batches),
+                                  lambda model: step_inputs(self._detector, model, _step_rng(self._rng, self._detector.log), saves_batches),
                                   self._detector.catalog.param_name, self._detector.buffers)
         self._respond.model_gone = lambda: any(root() is None for root, _ in self._roots)
         self._respond.step_part = lambda: self._clock.part
@@ -243,7 +244,7 @@ class Guard:
     def _on_step_start(self) -> None:
         # torch's RNG as it was when the step began, for the capture: small copies (a few us).
         # python's and numpy's are read at the capture instead (incident/rng.py says why).
-        self._rng = rng_snapshot(host=False)
+        self._rng = None if self._detector.sentinel else rng_snapshot(host=False)  # (see ``_step_rng``)
 
     def _on_root_end(self) -> None:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
@@ -298,6 +299,12 @@ class Guard:
         finally:
             self._clock.end(counted)
             self._clock.stepped = False
+
+def _step_rng(taken: dict[str, Any] | None, log: StepLog) -> dict[str, Any] | None:
+    """torch's RNG as the step began: taken then, or, by a sentinel, as its first micro-batch began
+    (the same state: it keeps that one for the microscope and takes no second copy)."""
+    return taken if taken is not None or not log.contexts else log.contexts[0].rng
+
 
 def _held(root: nn.Module) -> Callable[[], nn.Module | None]:
     """A weak reference to ``root``; for a DDP root, one that gives the model it wraps once the

@@ -106,40 +106,67 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
-    rng = rng_snapshot(host=False)
-    buffers = floating_buffers(detector)
-    saved = [b.detach().clone() for b in buffers]
     detector.reset(decided=False)
     was_probing = detector.probes.on
     detector.probes.install()
-    detector.rerunning = True
     try:
-        for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
-                                                                                carried["contexts"])):
-            _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
-                       output_grads.get(forward), params)
-        look.forward_values = len(log.values)
-        names = {index: name for name, index in detector.catalog.check_names.items()}
-        for tensor, index, place in checks:
-            if place is not None and place[0] in look.outputs and place[1] < len(look.outputs[place[0]]):
-                tensor = look.outputs[place[0]][place[1]]  # a loss the model returned: its re-run's
-            if tensor is not None and index in names:
-                detector.check(tensor, names[index])
+        with untouched(detector):
+            _rerun_all(detector, look, carried, output_grads, params, checks)
     finally:
-        detector.rerunning = False
         detector.depth = 0
         if not was_probing:
             detector.probes.remove()
-        rng_restore(rng)
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
         for name, value in carried.items():
             getattr(log, name)[:] = value
         for name, value in kept.items():
             setattr(log, name, value)
         log.unpropagated.update(unpropagated)
     yield look
+
+
+def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_grads: dict,
+               params: list[torch.Tensor], checks: list) -> None:
+    """Each micro-batch again, then the original checks (a loss the model returned: its re-run's)."""
+    log = detector.log
+    for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
+                                                                            carried["contexts"])):
+        _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
+                   output_grads.get(forward), params)
+    look.forward_values = len(log.values)
+    names = {index: name for name, index in detector.catalog.check_names.items()}
+    for tensor, index, place in checks:
+        if place is not None and place[0] in look.outputs and place[1] < len(look.outputs[place[0]]):
+            tensor = look.outputs[place[0]][place[1]]  # a loss the model returned: its re-run's
+        if tensor is not None and index in names:
+            detector.check(tensor, names[index])
+
+
+@contextmanager
+def untouched(detector: Detector) -> Iterator[None]:
+    """A re-run inside the block leaves the RNG and the guarded models' floating buffers (BatchNorm's
+    statistics, written in training mode) as they were, and the root hooks keep out of it."""
+    rng = rng_snapshot(host=False)
+    buffers = floating_buffers(detector)
+    saved = [b.detach().clone() for b in buffers]
+    detector.rerunning = True
+    try:
+        yield
+    finally:
+        detector.rerunning = False
+        rng_restore(rng)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
+def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
+           autocast: tuple[tuple[str, torch.dtype], ...]) -> Any:
+    """``module(*args, **kwargs)`` under the grad mode and the autocasts a micro-batch's forward ran in."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, dtype in autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return module(*args, **kwargs)
 
 
 def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tuple, kwargs: dict,
@@ -160,27 +187,23 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     log.spans.append((len(log.records), slot, micro_batch))
     batch_probes(detector, floating_tensors((args, kwargs)), slot)
     detector.depth = 1
-    with ExitStack() as stack:
-        stack.enter_context(torch.set_grad_enabled(context.grad))
-        for device, dtype in context.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        try:
-            output = module(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
-            look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
-            log.span_ends[len(log.spans) - 1] = len(log.records)
-            return
+    try:
+        output = called(module, args, kwargs, context.grad, context.autocast)
+    except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
+        look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
+        return
+    finally:
         log.span_ends[len(log.spans) - 1] = len(log.records)
-        look.ran += 1
-        look.outputs[forward] = floating_tensors(output)
-        bad = not all_finite(look.outputs[forward])
-        # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
-        if not bad and output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
-                module, "set_custom_reduce_scatter"):
-            bad = backward_bad(look, output, output_grad, params)
-            look.backward_bad = bad or bool(look.backward_bad)
-        if bad:
-            look.bad.append(forward)
+    look.ran += 1
+    look.outputs[forward] = floating_tensors(output)
+    bad = not all_finite(look.outputs[forward])
+    # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
+    if not bad and output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
+            module, "set_custom_reduce_scatter"):
+        bad = backward_bad(look, output, output_grad, params)
+        look.backward_bad = bad or bool(look.backward_bad)
+    if bad:
+        look.bad.append(forward)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

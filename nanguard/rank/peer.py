@@ -9,14 +9,13 @@ code or the data (``reproducible``); clean there: that rank's host and device (`
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from .._dist import Collectives
 from .._tree import floating_tensors, map_tensors, tensors
-from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot, torch_state
+from ..incident.rng import cuda_in_use, torch_state
 from . import microscope
 from .detector import Detector
 from .modules import ddp_inner
@@ -67,20 +66,13 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     moved = (lambda t: t.to(device))
     args, kwargs = map_tensors(asked["args"], moved), map_tensors(asked["kwargs"], moved)
-    saved_rng = rng_snapshot(host=False)
-    buffers = microscope.floating_buffers(detector)
-    saved = [b.detach().clone() for b in buffers]
-    torch.set_rng_state(asked["rng"])
-    if asked["cuda"] is not None and cuda_in_use():
-        torch.cuda.set_rng_state(asked["cuda"])
-    detector.rerunning = True
     look = microscope.Look()
     try:
-        with ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(asked["grad"]))
-            for kind, dtype in asked["autocast"]:
-                stack.enter_context(torch.autocast(kind, dtype=dtype))
-            output = module(*args, **kwargs)
+        with microscope.untouched(detector):
+            torch.set_rng_state(asked["rng"])
+            if asked["cuda"] is not None and cuda_in_use():
+                torch.cuda.set_rng_state(asked["cuda"])
+            output = microscope.called(module, args, kwargs, asked["grad"], asked["autocast"])
             if not microscope.all_finite(floating_tensors(output)):
                 return True
             grad = asked["output_grad"]
@@ -90,12 +82,6 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
             return bad if not look.missed else look.missed[0]
     except Exception as exc:  # noqa: BLE001 - the peer's model failed on the batch: not comparable
         return f"the re-run on the peer raised {type(exc).__name__}: {exc}"
-    finally:
-        detector.rerunning = False
-        rng_restore(saved_rng)
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
 
 
 def _weights(detector: Detector, slot: int) -> list[float] | None:
