@@ -6,6 +6,7 @@ changes to the hot path. Here each checkout's ``nanguard`` package is copied und
 the same model, timed in the same rounds as the plain loop, in rotating order:
 
     python benchmarks/compare.py --model hf-gpt2 --repo before=/tmp/old --repo after=.
+    python benchmarks/compare.py --repo full=.,mode=full --repo sentinel=.,mode=sentinel   # init settings
 
 Prints, per checkout, the median over rounds of (its step time / plain's) and the quartiles.
 ``--floor`` adds overhead.py's ``probe-floor`` variant: hooks that only probe, the floor of the design.
@@ -35,17 +36,17 @@ def load(name: str, checkout: Path, into: Path):
     return importlib.import_module(package.name)
 
 
-def variant(name: str, module) -> overhead.Variant:
+def variant(name: str, module, settings: dict[str, str]) -> overhead.Variant:
     def attach(model, opt, **workload):
-        return module.init(model, opt, **workload).close
+        return module.init(model, opt, **workload, **settings).close
     return overhead.Variant(name, attach)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp", choices=sorted(overhead.MODELS))
-    parser.add_argument("--repo", action="append", required=True, metavar="NAME=PATH",
-                        help="a checkout to compare (repeat)")
+    parser.add_argument("--repo", action="append", required=True, metavar="NAME=PATH[,SETTING=VALUE...]",
+                        help="a checkout to compare, with init settings of its own (repeat)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--floor", action="store_true",
                         help="time overhead.py's probe-floor variant too (hooks that only probe)")
@@ -56,10 +57,13 @@ def main() -> None:
         sys.path.insert(0, folder)
         variants = {"plain": overhead.Variant("plain")}
         for item in args.repo:
-            name, _, path = item.partition("=")
-            if not name.isidentifier() or not (Path(path) / "nanguard").is_dir():
-                parser.error(f"--repo {item!r}: expected NAME=PATH, PATH a checkout with a nanguard/ folder")
-            variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)))
+            name, _, rest = item.partition("=")
+            path, *pairs = rest.split(",")
+            settings = dict(pair.partition("=")[::2] for pair in pairs)
+            if not name.isidentifier() or not (Path(path) / "nanguard").is_dir() or not all(settings.values()):
+                parser.error(f"--repo {item!r}: expected NAME=PATH[,SETTING=VALUE...], PATH a checkout with a"
+                             " nanguard/ folder")
+            variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)), settings)
         if args.floor:
             variants["probe-floor"] = overhead.VARIANTS["probe-floor"]
         runners = {k: overhead.Runner(spec, v, torch.device("cpu")) for k, v in variants.items()}
