@@ -9,6 +9,29 @@ from collections.abc import Callable
 
 import pytest
 
+MODES = ("sentinel", "full")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``modes("sentinel", "full")`` runs once in each guard mode (``NANGUARD_MODE``,
+    which every guard it makes, and every torchrun worker it starts, reads); ``modes("full")`` pins
+    a test of one mode's own mechanics."""
+    marker = metafunc.definition.get_closest_marker("modes")
+    if marker is not None:
+        unknown = [mode for mode in marker.args if mode not in MODES]
+        if unknown or not marker.args:
+            raise pytest.UsageError(f"{metafunc.definition.nodeid}: modes{marker.args} names no mode of {MODES}")
+        metafunc.parametrize("guard_mode", marker.args, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def guard_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The guard mode of the test (its ``modes`` marker's, else the environment's or the default)."""
+    mode = getattr(request, "param", None)
+    if mode is not None:
+        monkeypatch.setenv("NANGUARD_MODE", mode)
+    return mode or os.environ.get("NANGUARD_MODE", "full")
+
 
 @pytest.fixture
 def tool() -> Callable[[str], str]:

@@ -191,7 +191,7 @@ class BackwardWatch:
                     log.unpropagated.discard(forward)
                     if keep:  # a reference, read on a bad step only
                         kept = grad if type(grad) is not tuple else grad[slot] if slot < len(grad) else None
-                        if kept is not None:
+                        if kept is not None and not forensics.transformed(kept):  # (torch.func's: not past it)
                             log.output_grads[forward] = (at, kept)
                     if timed:
                         self._started(grad)

@@ -49,6 +49,9 @@ _ASIDE = ("a forward with autograd off before this step's training forward made 
           " computed under no_grad), the NaN came from there")
 _UNPROPAGATED = ("in a forward whose output was never backpropagated before the optimizer step (the script"
                  " dropped it: its own check of the loss, say), so no update came from it: training goes on")
+_UNUSED = ("in a value that reached none of what the update depends on: the gradients the optimizer applies, the"
+           " tensors given to check and the buffers the step wrote are all finite (an intended -inf, a masked"
+           " score), so the step was not stopped: training goes on")
 _DROPPED = ("in a step the script dropped after its backward pass (its gradients were zeroed without an"
             " optimizer step: its own check of the loss or the gradients, say), so no update applied it:"
             " training goes on")
@@ -230,21 +233,25 @@ def _relayed(first: Finding, local: Finding) -> str | None:
     return None
 
 
-def unpropagated_only(log: StepLog, reading: Reading) -> bool:
-    """Whether every non-finite value the step read is a forward's whose output the script never
-    backpropagated (``StepLog.unpropagated``), and the gradients and buffers are finite: what goes
-    into the update is clean."""
-    if not log.unpropagated or not all(map(math.isfinite, [*reading.norms, *reading.applied, *reading.buffers])):
-        return False
-    probes = reading.probes
+def harmless(log: StepLog, reading: Reading) -> str | None:
+    """Why the non-finite values the step read leave its update safe, or None when they do not
+    ("What stops a step", DESIGN.md): every gradient the optimizer would apply, every buffer the step
+    wrote and every tensor given to ``check`` is finite, so what is bad is a module output that reached
+    none of them (a policy's intended -inf logits, a masked score) or a forward the script never
+    backpropagated. Another rank's bad value (``reading.bad`` is the job's) leaves this rank nothing to
+    say: harmless here."""
+    if reading.local_grads_bad or not all(map(math.isfinite, [*reading.norms, *reading.applied, *reading.buffers])):
+        return None
+    probes, unpropagated = reading.probes, True
     for index, record in enumerate(log.records):
-        if record.compiled:
-            return False  # (a compiled graph's probes have no place to map to a forward)
-        if record.pos >= 0 and record.role in (OUT, CHECK) and not (
+        if record.pos < 0 or record.role not in (OUT, CHECK) or (
                 math.isfinite(probes[record.pos]) and math.isfinite(probes[record.pos + 1])):
-            if bisect.bisect_right(log.spans, (index, math.inf, math.inf)) - 1 not in log.unpropagated:
-                return False
-    return True
+            continue
+        if record.role == CHECK or record.check is not None:
+            return None  # a tensor the script asked to check: decisive
+        unpropagated = unpropagated and not record.compiled and (
+            bisect.bisect_right(log.spans, (index, math.inf, math.inf)) - 1 in log.unpropagated)
+    return _UNPROPAGATED if unpropagated else _UNUSED
 
 
 def changed_gradients(owners: list[torch.Tensor], log: StepLog,
@@ -264,16 +271,24 @@ _TRANSIENT = ("not reproduced: the microscope re-ran the step from memory on thi
               " with the same weights, batch and random state, and every value it made was finite: a transient"
               " fault (the hardware, a race, non-determinism), not the model's nor the data's; nothing in the"
               " model is blamed for it")
+_TRANSIENT_SEEN = ("not reproduced: the microscope re-ran the step from memory on this device ({device}, host"
+                   " {host}), with the same weights, batch and random state, and every value it made was finite:"
+                   " a transient fault (the hardware, a race, non-determinism) that this step's probes saw born here")
 _UNSEEN = "the microscope could not re-run all of the step ({}): whether it is reproducible is not known"
 
 
-def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Look, host: str) -> Finding:
+def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Look, host: str,
+                  seen_born: bool = False) -> Finding:
     """``finding`` with what the microscope's re-run said: ``Event.reproduced``, ``verdict`` and ``device``;
-    one not reproduced names the fault of this device, and no module (no probe saw it born)."""
+    one not reproduced names the fault of this device, and no module unless a probe of the original pass
+    saw it born there (``seen_born``: the full mode's)."""
     event = finding.event
     event.reproduced = reproduced
     event.verdict = {True: "reproducible", False: "transient"}.get(reproduced)
     event.device = microscope.device_name()
+    if reproduced is False and seen_born:
+        event.message = "; ".join(filter(None, (event.message, _TRANSIENT_SEEN.format(device=event.device, host=host))))
+        return finding
     if reproduced is False:
         event.message = _TRANSIENT.format(device=event.device, host=host)
         event.input_nonfinite = event.output_nonfinite = None
@@ -283,6 +298,16 @@ def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Lo
     if reproduced is None and look.missed:
         event.message = "; ".join(filter(None, (event.message, _UNSEEN.format("; ".join(look.missed)))))
     return finding
+
+
+def escalate(settings: Settings, detector: Detector) -> None:
+    """After a fault the microscope did not reproduce, under a policy that trains on (skip, warn):
+    every module is probed on every step from now on, so the next transient is caught at its producer."""
+    if settings.escalate and settings.on_nan != "raise" and detector.sentinel:
+        detector.sentinel = False
+        detector.probes.install()
+        log.warning("nanguard: a fault was not reproduced when re-run (a transient): every module is checked"
+                    " on every step from now on (mode full; escalate=False keeps the sentinel)")
 
 
 def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -334,30 +359,30 @@ class Decider:
         if self._early is not None and not self.clock.optimizer_seen:
             self._respond_to(self._take_early(), None, together=False)
 
-    def _settle_unpropagated(self, reading: Reading, optimizer: torch.optim.Optimizer | None,
-                             collectives: Collectives | None) -> None:
-        """At an optimizer step, a bad step whose every bad value is of forwards the script never
-        backpropagated (dropped by its own check of the loss) is clean: what is bad is reported
-        apart. With several ranks, only when every rank finds so (one more collective, on a bad
-        step only: the ranks' decisions must agree). Decided at a forward's end, without an
-        optimizer, nothing is backpropagated yet."""
+    def _settle_harmless(self, reading: Reading, optimizer: torch.optim.Optimizer | None,
+                         collectives: Collectives | None) -> None:
+        """At an optimizer step, a bad step whose update depends on no bad value (``harmless``) is
+        clean: what is bad is reported apart, as a warning. With several ranks, only when every rank
+        finds so (one more collective, on a bad step only: the ranks' decisions must agree). Decided
+        at a forward's end, without an optimizer, the outputs are what is decided on."""
         if not reading.bad or optimizer is None:
             return
-        clean = self._early is None and unpropagated_only(self.detector.log, reading)
+        why = harmless(self.detector.log, reading) if self._early is None else None
         if collectives is not None:
-            votes = torch.tensor([float(clean)], device=collectives.device())
+            votes = torch.tensor([float(why is not None)], device=collectives.device())
             collectives.all_reduce(votes)
-            clean = int(votes.item()) == collectives.world_size
-        if clean:
-            self._settle_apart(reading, _UNPROPAGATED)
+            why = why if int(votes.item()) == collectives.world_size else None
+        if why is not None:
+            self._settle_apart(reading, why)
             reading.bad = False
 
     def _settle_apart(self, reading: Reading, why: str) -> Finding | None:
-        """Report the first bad value of forwards of no training step (``why`` says which), without
-        acting on it; returns it."""
+        """Report the first bad value of forwards of no training step, or of none the update depends
+        on (``why`` says which), without acting on it; returns it."""
         finding = self._diagnose(reading)
         if finding is not None:
-            finding.event.micro_batch = None  # (not a micro-batch of a training step)
+            if why is not _UNUSED:
+                finding.event.micro_batch = None  # (not a micro-batch of a training step)
             finding.event.message = "; ".join(filter(None, (why, finding.event.message)))
             self.respond.observed(finding)
         return finding
@@ -390,7 +415,7 @@ class Decider:
                 self._respond_to(self._take_early(), optimizer, together=False)
             self._clean(stop=self.respond.reporter.stop_requested)
             return
-        self._settle_unpropagated(reading, optimizer, collectives)
+        self._settle_harmless(reading, optimizer, collectives)
         loss = reading.probes[detector.log.loss_at] if detector.log.loss_at is not None else None
         # the gradients' series: as the backward pass left them, or where a GradScaler scaled those, as applied
         series, held = (reading.applied, later) if detector.backward.scaled and later else (reading.norms, owners)
@@ -428,14 +453,14 @@ class Decider:
         this rank's own, when another rank's is the job's, is noted beside it. ``later``: the
         parameters of ``reading.applied``."""
         grads = [None if p.grad is None else forensics.plain(p.grad) for p in owners]
-        sentinel, self._seen = self.detector.sentinel, None
+        verdict, self._seen = self.detector.verdict, None
         if self._early is not None:
             local = self._take_early()
-        elif sentinel:
+        elif verdict:
             local = self._look(reading, owners, grads, written, later)
         else:
             local = self._diagnose(reading, owners, grads, written, later)
-        if sentinel and reading.several and self.detector.backward.ddp:  # (alike on every rank)
+        if verdict and self._seen is not None and reading.several and self.detector.backward.ddp:  # (alike on every rank)
             peer.compare(self.collectives, self.detector, self._seen, local.event if local is not None else None,
                          int(self.settings.detail_mb * 2**20), owners)
         aside, self._aside = self._aside, None
@@ -458,15 +483,17 @@ class Decider:
                     " inside the model (a synchronised norm)"))))
             self.respond.note(local, self.settings.on_nan)
         if first is not None and first.event.reproduced is False:
-            self._escalate()  # (the same on every rank: the job's first event)
+            escalate(self.settings, self.detector)  # (the same on every rank: the job's first event)
         return first
 
     def _look(self, reading: Reading, owners: list[torch.Tensor], grads: list[torch.Tensor | None],
               written: list, later: list[torch.Tensor]) -> Finding | None:
-        """Tier 2 on a bad step of the sentinel: the microscope re-runs the step's micro-batches under the
-        full probes, the diagnosis reads what they made, and the finding says whether the re-run
-        reproduced it."""
+        """Tier 2 on a bad step: the microscope re-runs the step's micro-batches under the full probes,
+        and the finding says whether the re-run reproduced it. A sentinel's diagnosis reads what the
+        re-run made; the full mode's reads what the original pass's probes saw (where they saw a value
+        born, a clean re-run blames no less)."""
         detector = self.detector
+        original = None if detector.sentinel else self._diagnose(reading, owners, grads, written, later)
         try:
             with microscope.rerun(detector, owners, reading.probes) as look:
                 self._seen = look
@@ -475,10 +502,12 @@ class Decider:
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
                 reading = replace(reading, probes=fresh.probes if fresh is not None else [],
                                   evidence=fresh.evidence if fresh is not None else [])
-                finding = self._diagnose(reading, owners, grads, written, later)
+                finding = original if not detector.sentinel else self._diagnose(reading, owners, grads, written, later)
         except Exception:  # noqa: BLE001 - a bad step is acted on whatever the re-run does
             log.exception("nanguard: the microscope's re-run of a bad step failed; the step is judged without it")
-            return self._diagnose(replace(reading, probes=[], evidence=[]), owners, grads, written, later)
+            detector.log.forget_probes()  # (what a failed re-run probed matches no reading)
+            return original if not detector.sentinel else self._diagnose(
+                replace(reading, probes=[], evidence=[]), owners, grads, written, later)
         if finding is None:
             return None
         forward_bad = not all(map(math.isfinite, reading.probes[:look.forward_values]))
@@ -486,16 +515,8 @@ class Decider:
         # after it, nor one a sum across ranks brought in): what a clean backward re-run disproves
         own = detector.log.produced is not None and not all(map(math.isfinite, reading.norms)) and (
             reading.local_grads_bad if reading.several else True)
-        return _with_verdict(finding, look.reproduced(forward_bad, own), look, self.identity.host)
-
-    def _escalate(self) -> None:
-        """After a fault the microscope did not reproduce, under a policy that trains on (skip, warn):
-        every module is probed on every step from now on, so the next transient is caught at its producer."""
-        if self.settings.escalate and self.settings.on_nan != "raise" and self.detector.sentinel:
-            self.detector.sentinel = False
-            self.detector.probes.install()
-            log.warning("nanguard: a fault was not reproduced when re-run (a transient): every module is checked"
-                        " on every step from now on (mode full; escalate=False keeps the sentinel)")
+        return _with_verdict(finding, look.reproduced(forward_bad, own), look, self.identity.host,
+                             seen_born=original is not None and original.position is not None)
 
     def _diagnose(self, reading: Reading, *gradients_and_buffers) -> Finding | None:
         """``diagnose.first_bad``; should it fail, a finding that says so: the step is still bad,

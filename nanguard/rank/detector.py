@@ -8,7 +8,7 @@ contrast, overflows on huge finite values). Nothing is read on the hot path: the
 the step's probes (and the gradient norms) into one small vector and reads it once per optimizer
 step; only when a value in it is non-finite does the diagnosis look at the records one by one.
 (On the CPU, where reading syncs nothing, a forward's probes are also read at its end, to let go
-of the tensors it kept for detail when they are all finite: ``_let_go_clean``.)
+of the tensors it kept for detail when they are all finite: ``let_go_clean``.)
 
 What is probed:
 - the floating-point tensors in the output of every module, leaves and containers (an output
@@ -60,12 +60,12 @@ FINITE_PRESERVING = frozenset((
 ))
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
 LET_GO_BYTES = 512 << 10
-"""kept tensors worth a read of the probes at a forward's end (``_let_go_clean``): below it the
+"""kept tensors worth a read of the probes at a forward's end (``let_go_clean``): below it the
 read (about 17 us inside a small MLP's step here) costs more than the memory it gives back saves
 (glibc serves small blocks from its heap; a fresh mapping of 512 KiB is ~128 page faults), unless
 they hold more than half the detail budget, which the next micro-batch needs"""
 _logger = logging.getLogger("nanguard")
-_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_transformed = forensics.transformed
 _graph_task = torch._C._current_graph_task_id
 """-1 outside a backward pass"""
 
@@ -101,7 +101,8 @@ class Detector:
     def __init__(self, *, skip_types: Iterable[str | type] = (), skip_modules: Iterable[str] = (),
                  detail_bytes: int = 0, on_root_end: Callable[[], None] | None = None,
                  on_step_start: Callable[[], None] | None = None, keep_batches: bool = False,
-                 on_settle: Callable[[str], None] | None = None, sentinel: bool = False, outputs_decide=lambda: True):
+                 on_settle: Callable[[str], None] | None = None, sentinel: bool = False, verdict: bool = False,
+                 outputs_decide=lambda: True):
         self._skip_types, self._skip_modules = tuple(skip_types), tuple(skip_modules)
         self.on_root_end = on_root_end
         self.on_step_start = on_step_start
@@ -113,7 +114,7 @@ class Detector:
         self.log = StepLog()
         self._detail_bytes = detail_bytes
         self._kept_bytes = self._judged = 0
-        """(judged: records of this step whose kept tensors were let go, or kept for good: ``_let_go_clean``)"""
+        """(judged: records of this step whose kept tensors were let go, or kept for good: ``let_go_clean``)"""
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._root_slots: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
@@ -139,6 +140,8 @@ class Detector:
         self.buffers = Buffers()
         self.feeds = Feeds()
         self.sentinel = sentinel  # tier 1: module probes only in the microscope's re-run (``Probes``)
+        self.verdict = verdict or sentinel
+        """a bad step is re-run from memory for the verdict inside the job: each micro-batch's ``Context`` is kept"""
         self.outputs_decide = outputs_decide  # a root's output decides (no optimizer): probed in sentinel mode
         self.probes = Probes(on=not sentinel)
         self.rerunning = False  # the microscope re-runs a micro-batch: the root hooks keep out of it
@@ -249,18 +252,21 @@ class Detector:
         self._forwards[root_slot] = micro_batch + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
         inputs = call_tensors(args, kwargs)
-        if self.keep_batches and not any(map(_transformed, inputs)):
-            # held for the capture (not inside torch.func, whose tensors do not outlive it): copies,
+        if self.keep_batches and (grad or self.outputs_decide()) and not any(map(_transformed, inputs)):
+            # held for the capture and the microscope (not inside torch.func, whose tensors do not outlive
+            # it; nor an evaluation amid training, which stops nothing: a long one would hold every batch): copies,
             # once a batch was found changed in place by its step's decision (a refilled buffer),
             # probed (lazily) as those copies; the forward's own are seen
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
-            if self.sentinel:
+            if self.verdict:
                 log.contexts.append(Context.now(module))
             if self.feeds.copying:
                 self._mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
-        batch_probes(self, inputs, root_slot)
+        if not self.sentinel or not grad or self.outputs_decide():
+            # (a sentinel's training step needs none: the microscope's re-run probes the batch it re-runs)
+            batch_probes(self, inputs, root_slot)
 
     def new_step(self) -> None:
         """Another model's optimizer stepped, in a guard with none of its own: micro-batches count
@@ -295,33 +301,9 @@ class Detector:
         self.backward.forward_done(output)
         kept = self._kept_bytes
         if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
-            self._let_go_clean()
+            let_go_clean(self)
         if self.on_root_end is not None:
             self.on_root_end()
-
-    def _let_go_clean(self) -> None:
-        """At the end of a forward on the CPU, let go of the tensors it kept for detail when every
-        output it probed is finite: none of them can be the one a report describes. Held until
-        the step's decision, activations outlive the backward pass that frees them, and the next
-        micro-batch can reuse none of their memory: glibc maps fresh pages for it, 0.12 of a
-        nanoGPT step with 4 micro-batches here. The budget they held goes to the next micro-batch,
-        so a value that goes bad in the last one is still described exactly. Only where the probes
-        sit in CPU memory, whose read syncs nothing: on a device, the step's one read stays the
-        only one (a caching allocator reuses the memory of kept tensors, so they cost no time there)."""
-        log = self.log
-        # the outputs alone: a non-finite input (an additive -inf mask) is described only beside
-        # the bad output of its own call, which a forward with finite outputs does not have
-        outputs = log.value_slots.read_if_free(log.values)
-        records = log.records
-        if outputs is None or not all(map(math.isfinite, outputs)):
-            self._judged = len(records)  # something is bad (or not free to read): keep it all
-            return
-        for record in records[self._judged:]:
-            kept = record.kept
-            if record.role in (OUT, IN) and type(kept) is not weakref.ref and kept is not None:
-                self._kept_bytes -= kept.numel() * kept.element_size()
-                record.kept = None
-        self._judged = len(records)
 
     def check(self, tensor: torch.Tensor, name: str) -> None:
         index = self.catalog.check_index(name)
@@ -389,6 +371,31 @@ class Probes:
         self._handles, self._hooks = [], []
 
 
+def let_go_clean(detector: Detector) -> None:
+    """At the end of a forward on the CPU, let go of the tensors it kept for detail when every
+    output it probed is finite: none of them can be the one a report describes. Held until
+    the step's decision, activations outlive the backward pass that frees them, and the next
+    micro-batch can reuse none of their memory: glibc maps fresh pages for it, 0.12 of a
+    nanoGPT step with 4 micro-batches here. The budget they held goes to the next micro-batch,
+    so a value that goes bad in the last one is still described exactly. Only where the probes
+    sit in CPU memory, whose read syncs nothing: on a device, the step's one read stays the
+    only one (a caching allocator reuses the memory of kept tensors, so they cost no time there)."""
+    log = detector.log
+    # the outputs alone: a non-finite input (an additive -inf mask) is described only beside
+    # the bad output of its own call, which a forward with finite outputs does not have
+    outputs = log.value_slots.read_if_free(log.values)
+    records = log.records
+    if outputs is None or not all(map(math.isfinite, outputs)):
+        detector._judged = len(records)  # something is bad (or not free to read): keep it all
+        return
+    for record in records[detector._judged:]:
+        kept = record.kept
+        if record.role in (OUT, IN) and type(kept) is not weakref.ref and kept is not None:
+            detector._kept_bytes -= kept.numel() * kept.element_size()
+            record.kept = None
+    detector._judged = len(records)
+
+
 def batch_probes(detector: Detector, inputs: list[torch.Tensor], root_slot: int) -> None:
     """The batch's (lazy) probes: checked exactly only once the step is known bad."""
     for tensor in detector._unchecked(inputs):
@@ -403,6 +410,8 @@ def _sentinel_output(detector: Detector, output: Any) -> None:
     if not log.spans:
         return
     outputs = floating_tensors(output)
+    if any(map(_transformed, outputs)):
+        return  # inside torch.func: nothing to read, nor to keep past the transform
     if not torch.is_grad_enabled() or detector.outputs_decide():
         fields = {id(t): path or None for path, t in named_floating_tensors(output)}
         for tensor in detector._unchecked(outputs):

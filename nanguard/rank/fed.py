@@ -33,6 +33,8 @@ class Feeds:
         if self.copying:
             with torch.no_grad():
                 args, kwargs = map_tensors((args, kwargs), lambda t: t.detach().clone())
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call, without a walk
+            return args, kwargs, [(t, version_of(t)) for t in args]
         return args, kwargs, [(t, version_of(t)) for t in tensors((args, kwargs))]
 
     def step_decided(self, batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> None:

@@ -11,6 +11,11 @@ from typing import Any
 import torch
 
 
+transformed = torch._C._functorch.is_functorch_wrapped_tensor
+"""whether a tensor is one of torch.func's inside a transform (vmap, grad): it holds no value to read,
+and must not outlive the transform"""
+
+
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """The local, real, detached view of a tensor (a DTensor's shard, a complex's real view, a
     nested tensor's values).

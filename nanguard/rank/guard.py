@@ -62,16 +62,16 @@ class Guard:
         self._observer = observer or StepObserver()
         self._events = EventLog(settings.max_events)
         sentinel = settings.mode == "sentinel"
+        verdict = not isinstance(self._observer, Replay)  # (a replay is the verdict of its own)
         saves_batches = settings.capture is not False and settings.capture_batch
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
                                   detail_bytes=int(settings.detail_mb * 2**20),
                                   on_root_end=self._on_root_end,
-                                  on_step_start=self._on_step_start if settings.capture is not False
-                                  else None,
-                                  keep_batches=saves_batches or sentinel,
+                                  on_step_start=self._on_step_start if settings.capture is not False else None,
+                                  keep_batches=saves_batches or verdict, sentinel=sentinel, verdict=verdict,
                                   on_settle=lambda apart: self._decider.settle_early(apart),
-                                  sentinel=sentinel, outputs_decide=lambda: not self._clock.optimizer_seen)
-        self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20) if sentinel else 0
+                                  outputs_decide=lambda: not self._clock.optimizer_seen)
+        self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20) if verdict else 0
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)
@@ -244,7 +244,7 @@ class Guard:
     def _on_step_start(self) -> None:
         # torch's RNG as it was when the step began, for the capture: small copies (a few us).
         # python's and numpy's are read at the capture instead (incident/rng.py says why).
-        self._rng = None if self._detector.sentinel else rng_snapshot(host=False)  # (see ``_step_rng``)
+        self._rng = None if self._detector.verdict else rng_snapshot(host=False)  # (see ``_step_rng``)
 
     def _on_root_end(self) -> None:
         if not self._clock.optimizer_seen and (self._scoped or not torch.is_grad_enabled()):
@@ -301,8 +301,8 @@ class Guard:
             self._clock.stepped = False
 
 def _step_rng(taken: dict[str, Any] | None, log: StepLog) -> dict[str, Any] | None:
-    """torch's RNG as the step began: taken then, or, by a sentinel, as its first micro-batch began
-    (the same state: it keeps that one for the microscope and takes no second copy)."""
+    """torch's RNG as the step began: taken then, or, where a bad step is re-run for the verdict, as its
+    first micro-batch began (the same state: that one is kept for the microscope, and no second copy)."""
     return taken if taken is not None or not log.contexts else log.contexts[0].rng
 
 

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from .._tree import floating_tensors
+from .._tree import floating_tensors, map_tensors
 from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot
-from .detector import Detector, batch_probes
-from .modules import ddp_inner, type_name
+from . import forensics
+from .detector import Detector, batch_probes, let_go_clean
+from .modules import ddp_inner, eager, type_name
 from .records import CHECK, OUT, Context, version_of
 
 
@@ -68,7 +69,7 @@ class Look:
         """True: the re-run made a value non-finite again; False: it re-ran everything the original saw
         go bad (``own_fault``: this rank's own gradients or outputs were bad, not another rank's) and all
         of it stayed finite; None: it cannot tell."""
-        if forward_bad or self.backward_bad:
+        if forward_bad or self.bad or self.backward_bad:
             return True
         if self.missed or not self.ran:
             return None
@@ -166,7 +167,9 @@ def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
         stack.enter_context(torch.set_grad_enabled(grad))
         for device, dtype in autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
-        return module(*args, **kwargs)
+        # eagerly: every module's probe sees its output exactly, where a compiled graph shows only
+        # what its leaves return
+        return eager(module)(*args, **kwargs)
 
 
 def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tuple, kwargs: dict,
@@ -185,6 +188,8 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     rng_restore(context.rng)
     log = detector.log
     log.spans.append((len(log.records), slot, micro_batch))
+    with torch.no_grad():  # (fed copies: a forward that edits its input in place must not edit what the capture holds)
+        args, kwargs = map_tensors((args, kwargs), lambda t: t.detach().clone().requires_grad_(t.requires_grad))
     batch_probes(detector, floating_tensors((args, kwargs)), slot)
     detector.depth = 1
     try:
@@ -195,6 +200,7 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     finally:
         log.span_ends[len(log.spans) - 1] = len(log.records)
     look.ran += 1
+    let_go_clean(detector)  # (a clean micro-batch's detail goes to the next, as in the original pass)
     look.outputs[forward] = floating_tensors(output)
     bad = not all_finite(look.outputs[forward])
     # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
@@ -209,7 +215,12 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (exact; reads the host: on a bad step only)."""
     with torch.no_grad():
-        return all(bool(torch.isfinite(t).all()) for t in tensors)
+        return all(bool(torch.isfinite(_dense(t)).all()) for t in tensors)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """What holds a tensor's values: a sparse one's (an embedding's sparse gradient), else its plain view."""
+    return tensor.coalesce().values() if tensor.is_sparse else forensics.plain(tensor)
 
 
 def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],

@@ -52,6 +52,15 @@ def type_name(module: nn.Module) -> str:
     return cls.__name__
 
 
+def eager(module: nn.Module) -> Callable[..., Any]:
+    """What runs ``module``'s forward, hooks and all, without a compiled graph: the model a
+    ``torch.compile`` wrapper holds, or the uncompiled call of a module compiled in place
+    (``module.compile()``)."""
+    if type(module).__name__ == "OptimizedModule":
+        module = module._orig_mod
+    return module._call_impl if getattr(module, "_compiled_call_impl", None) is not None else module
+
+
 def ddp_inner(module: nn.Module) -> nn.Module | None:
     """The model a DDP wrapper holds (None for any other module): a script may wrap it again in a
     new DDP (to sync a module added during training), which calls it as the old wrapper did."""

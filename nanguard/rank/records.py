@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..incident.rng import rng_snapshot
+from ..incident.rng import cuda_in_use
 
 _UNTRACKED = itertools.count(-1, -1)
 
@@ -341,6 +341,9 @@ def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_any_autocast = torch._C._is_any_autocast_enabled
+_default_generator = torch.default_generator
+"""(one call, where asking each device costs a few us on every micro-batch)"""
 
 
 @dataclass(slots=True)
@@ -349,7 +352,10 @@ class Context:
 
     module: weakref.ref | None
     """the module the script called (a root, or the model its DDP wraps); None: no module to call"""
-    rng: dict[str, Any]
+    torch_rng: torch.Generator
+    """torch's CPU random state (a cloned generator: a few us, where the state tensor costs more)"""
+    cuda_rng: list[torch.Tensor]
+    """each CUDA device's random state, where CUDA is in use"""
     autocast: tuple[tuple[str, torch.dtype], ...]
     """(device type, dtype) of each autocast in force"""
     grad: bool
@@ -357,9 +363,14 @@ class Context:
     @classmethod
     def now(cls, module: nn.Module | None) -> Context:
         autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
-                         if torch.is_autocast_enabled(device))
-        return cls(weakref.ref(module) if module is not None else None, rng_snapshot(host=False), autocast,
-                   torch.is_grad_enabled())
+                         if torch.is_autocast_enabled(device)) if _any_autocast() else ()
+        return cls(weakref.ref(module) if module is not None else None, _default_generator.clone_state(),
+                   list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled())
+
+    @property
+    def rng(self) -> dict[str, Any]:
+        """The random states as ``rng_snapshot(host=False)`` gives them."""
+        return {"python": None, "numpy": None, "torch": self.torch_rng, "cuda": self.cuda_rng}
 
 
 @dataclass(slots=True)
@@ -445,6 +456,14 @@ class StepLog:
         self.calls = 0
         self.started = self.trained = False
         self.buffers_at_start, self.buffer_versions = {}, {}
+
+    def forget_probes(self) -> None:
+        """Forget the probes made so far (a re-run's that failed), keeping what else the step left."""
+        for part in (self.values, self.evidence, self.records, self.span_ends, self.recomputed):
+            part.clear()
+        self.value_slots.clear()
+        self.evidence_slots.clear()
+        self.loss_at = None
 
     def extremes(self, probes: list[float], evidence: list[float]) -> list[tuple[float, float] | None]:
         """Each record's (minimum, maximum) as read, by record: None for the batch (never read)."""

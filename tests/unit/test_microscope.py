@@ -109,13 +109,53 @@ def test_a_transient_is_not_reproduced_and_blames_no_module():
     assert "born in this module" not in event.message
 
 
-def test_full_mode_names_the_producer_of_a_transient():
+def test_full_mode_names_the_producer_of_a_transient_and_gives_the_verdict_too():
     model = _transient_model(bad_call=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanguard.init(model, optimizer, mode="full") as guard:
         err = _run(model, optimizer, guard, 5)
-    assert (err.event.step, err.event.layer, err.event.module_type) == (2, "2", "FirstTimeOnly")
-    assert model[2].calls == 3  # nothing re-ran
+    event = err.event
+    assert (event.step, event.layer, event.module_type) == (2, "2", "FirstTimeOnly")  # seen born in the first pass
+    assert model[2].calls == 4  # and re-run once for the verdict
+    assert (event.reproduced, event.verdict, event.device) == (False, "transient", "cpu")
+    assert "not reproduced" in event.message and "saw born here" in event.message
+
+
+class MaskedPolicy(nn.Module):
+    """An RL policy that adds its additive -inf action mask (an input) to its logits itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, obs, mask):
+        return self.head(obs) + mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_intended_minus_inf_output_never_stops_a_step(mode):
+    """What stops a step is the same in every mode: the loss and every gradient are finite. The full
+    mode, which sees the -inf logits, says so in a warning event of each step's micro-batch."""
+    torch.manual_seed(0)
+    model = MaskedPolicy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.tensor([0.0, 0.0, float("-inf"), 0.0])
+    before = model.head.weight.detach().clone()
+    with nanguard.init(model, optimizer, mode=mode) as guard:
+        for _ in range(3):
+            logits = model(torch.randn(5, 8), mask)
+            loss = -torch.log_softmax(logits, -1)[:, 0].mean()
+            guard.check(loss, "loss")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.step == 3 and guard.skipped_steps == 0 and not model.head.weight.equal(before)
+        events = list(guard.events)
+    if mode == "sentinel":
+        assert not events  # (it probes no module output on a clean step)
+    else:
+        assert [(e.kind, e.step, e.micro_batch) for e in events] == [("forward", k, 0) for k in range(3)]
+        assert all("reached none of what the update depends on" in e.message for e in events)
 
 
 class DrawsItsFault(nn.Module):

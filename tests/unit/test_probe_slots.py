@@ -13,7 +13,8 @@ import nanguard
 
 
 class Poison(nn.Module):
-    """Linear whose output turns NaN at one element while ``armed``."""
+    """Linear whose output turns NaN at one element while ``armed`` (multiplied in: the NaN reaches the
+    gradients, whichever layer it is, and stops the step)."""
 
     def __init__(self, width: int, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -23,8 +24,9 @@ class Poison(nn.Module):
     def forward(self, x):
         out = self.linear(x.to(self.linear.weight.dtype))
         if self.armed:
-            out = out.clone()
-            out[0, 0] = float("nan")
+            poison = torch.ones_like(out)
+            poison[0, 0] = float("nan")
+            out = out * poison
         return out
 
 
@@ -119,6 +121,7 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.modes("full")  # (the sentinel probes no module: what is asserted here is the full mode's)
 @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16, torch.float64)],
                          ids=["one dtype", "three dtypes"])
 def test_a_steady_step_writes_every_probe_into_its_places_and_stacks_none(dtypes):
@@ -209,6 +212,7 @@ def test_a_model_under_torch_func_transforms_runs_and_is_checked_outside_them():
     assert info.value.event.layer == "2"
 
 
+@pytest.mark.modes("full")  # (the sentinel probes no module: what is asserted here is the full mode's)
 def test_steady_steps_copy_the_buffers_into_the_same_places_and_still_put_them_back():
     # BatchNorm's statistics are kept at every step start: written into last step's places (one
     # cat of the float statistics, one stack of the batch counts), not cloned nor copied one by one;

@@ -267,7 +267,7 @@ def test_an_object_a_module_returns_is_looked_into():
     with nanguard.init(model, optimizer):
         with pytest.raises(nanguard.NonFiniteError) as info:
             dist = model(torch.randn(3, 4))
-            dist.mean.sum().backward()
+            dist.log_prob(torch.zeros(3, 2)).sum().backward()  # (the NaN scale reaches the gradients)
             optimizer.step()
     event = info.value.event
     assert event.kind == "forward" and event.has_nan and event.module_type == "Policy"
@@ -777,13 +777,18 @@ def test_a_loss_the_model_returns_is_named_by_its_field(checked):
     model = WithLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanguard.init(model, optimizer) as guard:
-        with pytest.raises(nanguard.NonFiniteError) as info:
-            out = model(torch.randn(5, 4), labels=torch.full((5,), -100))
-            if checked:
-                guard.check(out["loss"])
-            out["loss"].backward()
+        out = model(torch.randn(5, 4), labels=torch.full((5,), -100))
+        if checked:
+            guard.check(out["loss"])
+        out["loss"].backward()  # (a mean over no label: its gradients are finite, zero)
+        if checked:  # a loss given to check stops the step
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                optimizer.step()
+            event = info.value.event
+        else:  # unchecked, it reaches nothing the update depends on: a warning event
             optimizer.step()
-    event = info.value.event
+            (event,) = guard.events
+            assert guard.step == 1 and "reached none of what the update depends on" in event.message
     assert event.output_field == "loss" and event.shape == () and "the value is nan" in str(event)
     if checked:
         assert event.kind == "loss" and event.layer == "loss" and "the model computed it" in event.message
@@ -812,7 +817,7 @@ def test_a_resumed_run_goes_on_counting_where_it_left_off(monkeypatch, tmp_path)
         with torch.no_grad():
             model2.weight[0, 0] = math.nan
         with pytest.raises(nanguard.NonFiniteError) as info:
-            model2(torch.randn(2, 4)).sum().backward()
+            model2(torch.randn(2, 4)).pow(2).sum().backward()  # (the NaN weight reaches the gradients)
             optimizer2.step()
     assert info.value.event.step == 3 and info.value.incident.endswith("job-restart2-step3")
 
