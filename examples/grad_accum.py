@@ -33,7 +33,7 @@ def main() -> None:
             for micro in range(args.accumulate):
                 x, y = torch.randn(8, 16), torch.randn(8, 2)
                 if (step, micro) == (args.bad_step, args.bad_micro) and rank == 0:
-                    x[0] = 3e38  # finite, but the first layer overflows to inf on it
+                    x[0, 3] = float("nan")  # a corrupt sample in one micro-batch
                 last = micro == args.accumulate - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     loss = nn.functional.mse_loss(model(x), y) / args.accumulate

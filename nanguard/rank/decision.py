@@ -267,13 +267,13 @@ def changed_gradients(owners: list[torch.Tensor], log: StepLog,
     return gradient_norms(owners)
 
 
-_TRANSIENT = ("not reproduced: the microscope re-ran the step from memory on this device ({device}, host {host}),"
-              " with the same weights, batch and random state, and every value it made was finite: a transient"
-              " fault (the hardware, a race, non-determinism), not the model's nor the data's; nothing in the"
-              " model is blamed for it")
-_TRANSIENT_SEEN = ("not reproduced: the microscope re-ran the step from memory on this device ({device}, host"
-                   " {host}), with the same weights, batch and random state, and every value it made was finite:"
-                   " a transient fault (the hardware, a race, non-determinism) that this step's probes saw born here")
+_RERAN = ("not reproduced: the microscope re-ran the step from memory on this device ({device}, host {host}), with the"
+          " same weights, batch and random state, and every value it made was finite. What the re-run cannot give back"
+          " comes first among the suspects: the script's own state (a step counter or rank its model's code keys on,"
+          " Python or numpy draws, a global it changed; key such code on guard.step), then non-determinism, then a"
+          " transient fault of the hardware")
+_TRANSIENT = _RERAN + "; nothing in the model is blamed for it"
+_TRANSIENT_SEEN = _RERAN + "; this step's probes saw it born here"
 _UNSEEN = "the microscope could not re-run all of the step ({}): whether it is reproducible is not known"
 
 
@@ -466,7 +466,7 @@ class Decider:
         aside, self._aside = self._aside, None
         if local is not None and aside is not None and local.event.kind in ("grad", "loss"):
             local.event.message = "; ".join(filter(None, (local.event.message, _ASIDE.format(
-                aside.layer or "the model"))))
+                aside.layer or f"the model ({aside.module_type})"))))
         first = agree(collectives, local)
         several = collectives is not None and collectives.world_size > 1
         if first is not None and several and first.event.kind in ("grad", "loss") and (

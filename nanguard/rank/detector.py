@@ -59,6 +59,8 @@ FINITE_PRESERVING = frozenset((
     nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 ))
 CHECK_MODE, PASS_MODE, SKIP_MODE = range(3)
+MAX_PARTS = 64
+"""calls of a root's children that the script makes itself, held in a step for the microscope (``log.parts``)"""
 LET_GO_BYTES = 512 << 10
 """kept tensors worth a read of the probes at a forward's end (``let_go_clean``): below it the
 read (about 17 us inside a small MLP's step here) costs more than the memory it gives back saves
@@ -145,6 +147,7 @@ class Detector:
         self.outputs_decide = outputs_decide  # a root's output decides (no optimizer): probed in sentinel mode
         self.probes = Probes(on=not sentinel)
         self.rerunning = False  # the microscope re-runs a micro-batch: the root hooks keep out of it
+        self.parts: list[Any] = []  # the pre-hooks of the roots' children until a root's forward runs (``_hook_parts``)
 
     # ------------------------------------------------------------------ installing
     def owns(self, module: nn.Module) -> bool:
@@ -238,6 +241,10 @@ class Detector:
         """A root forward begins: a new micro-batch, its inputs (the batch) probed; ``module`` called."""
         if self.added:
             _hook_added(self)
+        if self.parts and module is not None:  # a root's forward runs: the script does not call its parts itself
+            for handle in self.parts:
+                handle.remove()
+            self.parts = []
         log = self.log
         grad = torch.is_grad_enabled()
         if grad and log.started and self.on_settle is not None and (not log.trained or _dropped(log)):
@@ -550,11 +557,43 @@ def _hook_root(detector: Detector, root: nn.Module) -> None:
     if type(root).forward is nn.Module.forward:  # a ModuleDict of a GAN: the script calls its children
         detector._handles += [child.register_forward_pre_hook(_step_start(detector)) for child in root.children()]
     inner = ddp_inner(root)
+    if detector.verdict:
+        _hook_parts(detector, inner or root)
     for module in (root,) if inner is None else (root, inner):
         detector._root_slots[module] = root_slot
         pre, post = _root_hooks(detector, root_slot, module)
         detector._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         detector._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+
+def _hook_parts(detector: Detector, root: nn.Module) -> None:
+    """Pre-hooks on the children of ``root`` for a script that calls them itself, outside any root
+    forward (a GAN's ``ModuleDict``, a LightningModule's training_step): each such call is held with
+    its ``Context`` (``StepLog.parts``), so that the microscope re-runs it. Taken off as soon as a
+    root's forward runs (``Detector.root_pre``): its children are called inside it, and a clean step
+    then runs no hook of theirs."""
+
+    @untraced
+    def hook(module, args, kwargs):
+        log = detector.log
+        if detector.depth or detector.rerunning or not torch.is_grad_enabled() or len(log.parts) >= MAX_PARTS:
+            return
+        if not log.started:
+            detector.step_starts()
+        held, held_kwargs, versions = detector.feeds.hold(args, kwargs)
+        began = len(log.spans) - 1  # a micro-batch the script began itself, not ended by a root forward
+        log.parts.append((began if began >= 0 and began not in log.span_ends else -1, held, held_kwargs, versions,
+                          Context.now(module)))
+
+    @untraced
+    def done(module, args, output):  # (the backward pass of what the script called is watched, as a root's)
+        if not detector.depth and not detector.rerunning:
+            _called_outside(detector, output)
+
+    handles = [handle for child in root.children() for handle in (
+        child.register_forward_pre_hook(hook, with_kwargs=True), child.register_forward_hook(done))]
+    detector.parts += handles
+    detector._handles += handles
 
 
 def _root_hooks(detector: Detector, root_slot: int, module: nn.Module):
@@ -612,7 +651,7 @@ def _step_start(detector: Detector):
     of them to run starts the step, as the root's own forward would."""
     @untraced
     def hook(module, args):
-        if not detector.log.started:
+        if not detector.log.started and not detector.rerunning:
             detector.step_starts()
 
     return hook

@@ -34,7 +34,7 @@ from .modules import ddp_inner, eager, type_name
 from .records import CHECK, OUT, Context, version_of
 
 
-_CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts")
+_CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts", "parts")
 """what the original pass left in the step's log that the re-run does not make again"""
 _CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions")
 
@@ -59,6 +59,8 @@ class Look:
     """the type of the model re-run (what a transient in its forward is reported on)"""
     bad: list[int] = field(default_factory=list)
     """the micro-batches whose re-run made a non-finite output or gradient"""
+    parts_bad: bool = False
+    """a re-run of a call the script made of a model's part (``StepLog.parts``) made a non-finite output"""
     output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     """the gradients that reached each forward's output in the original pass (``StepLog.output_grads``)"""
     gradient_in_bad: bool = False
@@ -69,7 +71,7 @@ class Look:
         """True: the re-run made a value non-finite again; False: it re-ran everything the original saw
         go bad (``own_fault``: this rank's own gradients or outputs were bad, not another rank's) and all
         of it stayed finite; None: it cannot tell."""
-        if forward_bad or self.bad or self.backward_bad:
+        if forward_bad or self.bad or self.parts_bad or self.backward_bad:
             return True
         if self.missed or not self.ran:
             return None
@@ -129,10 +131,22 @@ def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_
                params: list[torch.Tensor], checks: list) -> None:
     """Each micro-batch again, then the original checks (a loss the model returned: its re-run's)."""
     log = detector.log
+    parts = carried["parts"]
     for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
                                                                             carried["contexts"])):
-        _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
-                   output_grads.get(forward), params)
+        if context.module is None and any(part[0] == forward for part in parts):
+            # a micro-batch the script began itself (Guard.begin_micro_batch) is its calls of the model's parts
+            log.spans.append((len(log.records), slot, sum(1 for span in log.spans if span[1] == slot)))
+            for k, part in enumerate(parts):
+                if part[0] == forward:
+                    _rerun_part(detector, look, k, *part[1:])
+            log.span_ends[len(log.spans) - 1] = len(log.records)
+        else:
+            _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
+                       output_grads.get(forward), params)
+    for k, part in enumerate(parts):
+        if part[0] < 0 or part[0] >= len(carried["batches"]):
+            _rerun_part(detector, look, k, *part[1:])
     look.forward_values = len(log.values)
     names = {index: name for name, index in detector.catalog.check_names.items()}
     for tensor, index, place in checks:
@@ -179,7 +193,7 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     if module is None:
         look.missed.append(f"micro-batch {forward}: no module to call again (the script called the model's parts)")
         return
-    if any(version >= 0 and version_of(t) != version for t, version in versions):
+    if _changed(versions):
         look.missed.append(f"micro-batch {forward}: its input was changed in place after its forward began")
         return
     module = ddp_inner(module) or module  # (no communication: every rank re-runs its own)
@@ -188,8 +202,7 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     rng_restore(context.rng)
     log = detector.log
     log.spans.append((len(log.records), slot, micro_batch))
-    with torch.no_grad():  # (fed copies: a forward that edits its input in place must not edit what the capture holds)
-        args, kwargs = map_tensors((args, kwargs), lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+    args, kwargs = _copies(args, kwargs)
     batch_probes(detector, floating_tensors((args, kwargs)), slot)
     detector.depth = 1
     try:
@@ -210,6 +223,38 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
         look.backward_bad = bad or bool(look.backward_bad)
     if bad:
         look.bad.append(forward)
+
+
+def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dict,
+                versions: list[tuple[torch.Tensor, int]], context: Context) -> None:
+    """Re-run a call the script made of a model's part, outside any root forward: its probes are made
+    as the full mode makes those of such a call (of no micro-batch)."""
+    module = context.module() if context.module is not None else None
+    if module is None or _changed(versions):
+        look.missed.append(f"call {k + 1} of a model's part by the script: its module is gone or its input was"
+                           " changed in place since")
+        return
+    rng_restore(context.rng)
+    detector.depth = 0
+    try:
+        output = called(module, *_copies(args, kwargs), context.grad, context.autocast)
+    except Exception as exc:  # noqa: BLE001 - the script's module failed on its own input again
+        look.missed.append(f"call {k + 1} of a model's part by the script: its re-run raised {type(exc).__name__}: {exc}")
+        return
+    look.ran += 1
+    look.parts_bad = look.parts_bad or not all_finite(floating_tensors(output))
+
+
+def _changed(versions: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether a held tensor was changed in place since its version was taken (an inference tensor keeps none)."""
+    return any(version >= 0 and version_of(t) != version for t, version in versions)
+
+
+def _copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of a call's tensors to feed a re-run: a forward that edits its input in place must not edit
+    what the capture holds."""
+    with torch.no_grad():
+        return map_tensors((args, kwargs), lambda t: t.detach().clone().requires_grad_(t.requires_grad))
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

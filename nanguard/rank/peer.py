@@ -55,10 +55,9 @@ def request(detector: Detector, look: microscope.Look, budget: int) -> dict[str,
 def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor]) -> bool | str:
     """Re-run a peer's micro-batch here: True when it went bad again, False when clean, or why it
     could not be run. The RNG and floating buffers are put back as they were."""
-    info = detector.catalog.slots[asked["slot"]] if asked["slot"] < len(detector.catalog.slots) else None
-    module = info.module() if info is not None else None
+    module = _root(detector, asked["slot"])
     if module is None:
-        return "the model is gone on the peer"
+        return "the peer holds no model of that micro-batch"
     if _weights(detector, asked["slot"]) != asked["weights"]:
         return ("the ranks' weights differ (DDP's replicas are no longer the same: the script changed one"
                 " rank's, or a device corrupted them)")
@@ -84,10 +83,21 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
         return f"the re-run on the peer raised {type(exc).__name__}: {exc}"
 
 
+def _root(detector: Detector, slot: int) -> torch.nn.Module | None:
+    """The model of a root's micro-batches: the one this rank's own forwards of it called (a DDP made
+    again during training: the new wrapper's), else the one it was attached as, if still there."""
+    log = detector.log
+    called = [c.module() for (s, *_), c in zip(log.batches, log.contexts) if s == slot and c.module is not None]
+    module = next((m for m in called if m is not None), None)
+    if module is None and slot < len(detector.catalog.slots):
+        module = detector.catalog.slots[slot].module()
+    return module
+
+
 def _weights(detector: Detector, slot: int) -> list[float] | None:
     """A fingerprint of a root's weights, alike on ranks whose replicas are the same (each parameter's
     sum in float64, read on the bad step only; NaN as the string "nan", which compares equal)."""
-    module = detector.catalog.slots[slot].module() if slot < len(detector.catalog.slots) else None
+    module = _root(detector, slot)
     if module is None:
         return None
     with torch.no_grad():

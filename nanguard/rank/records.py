@@ -413,6 +413,11 @@ class StepLog:
     contexts: list[Context] = field(default_factory=list)
     """what a re-run of each of ``batches`` needs beside its arguments (``microscope.Context``): the
     module called, the RNG, autocast and grad mode as its forward began (sentinel mode)"""
+    parts: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]], Context]] = field(default_factory=list)
+    """(the ``spans`` index of the micro-batch the script began itself that it belongs to, or -1; args,
+    kwargs, their tensors' versions, ``Context``) of each call of a root's child that the script
+    made itself, outside any root forward (a GAN's ``ModuleDict``, a LightningModule's training_step):
+    references, for the microscope (``detector.MAX_PARTS`` a step at most)"""
     outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     """references to each root forward's floating outputs (with ``version_of``), by ``spans`` index,
     where they fit in the detail budget: whether the original forward made them non-finite is told
@@ -448,7 +453,7 @@ class StepLog:
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
                      self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated,
-                     self.contexts, self.outputs, self.output_grads):
+                     self.contexts, self.parts, self.outputs, self.output_grads):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

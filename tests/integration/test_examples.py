@@ -14,7 +14,7 @@ EXAMPLES = [
     ("examples/fsdp.py", 2, "no non-finite value",
      r"stopped before step 2's update: non-finite input to 0\.0 \(Linear\) at step 2, rank 0"),
     ("examples/grad_accum.py", 2, "no non-finite value",
-     r"stopped: non-finite output in 0 \(Linear\) at step 2, rank 0, micro-batch 2"),
+     r"stopped: non-finite input to 0 \(Linear\) at step 2, rank 0, micro-batch 2"),
     ("examples/amp.py", 0, "no non-finite value", r"stopped before step 2's update: non-finite input to 0"),
     ("examples/lightning_train.py", 0, "no non-finite value",
      r"stopped before step 2's update: non-finite input to net\.0 \(Linear\) at step 2"),

@@ -118,7 +118,8 @@ def test_full_mode_names_the_producer_of_a_transient_and_gives_the_verdict_too()
     assert (event.step, event.layer, event.module_type) == (2, "2", "FirstTimeOnly")  # seen born in the first pass
     assert model[2].calls == 4  # and re-run once for the verdict
     assert (event.reproduced, event.verdict, event.device) == (False, "transient", "cpu")
-    assert "not reproduced" in event.message and "saw born here" in event.message
+    assert "not reproduced" in event.message and "probes saw it born here" in event.message
+    assert event.message.index("script's own state") < event.message.index("hardware")  # (the suspects in order)
 
 
 class MaskedPolicy(nn.Module):
