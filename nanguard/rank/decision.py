@@ -502,6 +502,9 @@ class Decider:
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
                 reading = replace(reading, probes=fresh.probes if fresh is not None else [],
                                   evidence=fresh.evidence if fresh is not None else [])
+                if look.diverged:  # (its probes are not the original pass's: nothing is named from them)
+                    detector.log.forget_probes()
+                    reading = replace(reading, probes=[], evidence=[])
                 finding = original if not detector.sentinel else self._diagnose(reading, owners, grads, written, later)
         except Exception:  # noqa: BLE001 - a bad step is acted on whatever the re-run does
             log.exception("nanguard: the microscope's re-run of a bad step failed; the step is judged without it")

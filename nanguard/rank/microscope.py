@@ -59,6 +59,12 @@ class Look:
     """the type of the model re-run (what a transient in its forward is reported on)"""
     bad: list[int] = field(default_factory=list)
     """the micro-batches whose re-run made a non-finite output or gradient"""
+    kept_outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
+    """the original forwards' outputs as kept (``StepLog.outputs``), by micro-batch"""
+    diverged: bool = False
+    """a micro-batch's re-run made a non-finite output where its original forward's kept output is finite:
+    what it ran with changed since (the script wrote the weights between micro-batches, or its model keys
+    on the script's state), so the re-run's probes do not tell where the original's value was born"""
     parts_bad: bool = False
     """a re-run of a call the script made of a model's part (``StepLog.parts``) made a non-finite output"""
     output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -71,6 +77,8 @@ class Look:
         """True: the re-run made a value non-finite again; False: it re-ran everything the original saw
         go bad (``own_fault``: this rank's own gradients or outputs were bad, not another rank's) and all
         of it stayed finite; None: it cannot tell."""
+        if self.diverged:
+            return None
         if forward_bad or self.bad or self.parts_bad or self.backward_bad:
             return True
         if self.missed or not self.ran:
@@ -107,7 +115,7 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     checks = [(record.held(), record.slot, _place(record.held(), outputs)) for record in log.records
               if record.role == CHECK]
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
-                output_grads=output_grads)
+                output_grads=output_grads, kept_outputs=outputs)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
     detector.reset(decided=False)
     was_probing = detector.probes.on
@@ -162,7 +170,7 @@ def untouched(detector: Detector) -> Iterator[None]:
     statistics, written in training mode) as they were, and the root hooks keep out of it."""
     rng = rng_snapshot(host=False)
     buffers = floating_buffers(detector)
-    saved = [b.detach().clone() for b in buffers]
+    saved = [(version_of(b), b.detach().clone()) for b in buffers]
     detector.rerunning = True
     try:
         yield
@@ -170,8 +178,9 @@ def untouched(detector: Detector) -> Iterator[None]:
         detector.rerunning = False
         rng_restore(rng)
         with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+            for buffer, (version, value) in zip(buffers, saved):
+                if version_of(buffer) != version:  # written by the re-run (BatchNorm's statistics in training)
+                    buffer.data.copy_(value)  # (through .data: what the step wrote is told by versions)
 
 
 def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
@@ -216,6 +225,11 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     let_go_clean(detector)  # (a clean micro-batch's detail goes to the next, as in the original pass)
     look.outputs[forward] = floating_tensors(output)
     bad = not all_finite(look.outputs[forward])
+    if bad and forward in look.kept_outputs and _outputs_bad({forward: look.kept_outputs[forward]}, 1) is False:
+        look.diverged = True
+        look.missed.append(f"micro-batch {forward}: its re-run made a non-finite output where its original forward"
+                           " made none (what it ran with changed since: the weights written between micro-batches,"
+                           " or the script's own state its model keys on)")
     # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
     if not bad and output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
             module, "set_custom_reduce_scatter"):

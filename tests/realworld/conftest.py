@@ -31,10 +31,11 @@ LAUNCH = _integration_launcher()
 
 @pytest.fixture(autouse=True)
 def realworld_env(tmp_path, monkeypatch):
-    """No hub downloads; incidents in the test's own folder; no NANGUARD_* of the caller's."""
+    """No hub downloads; incidents in the test's own folder; no NANGUARD_* of the caller's but the guard
+    mode (tests/conftest.py's ``guard_mode``)."""
     import os
 
-    for name in [n for n in os.environ if n.startswith("NANGUARD_")]:
+    for name in [n for n in os.environ if n.startswith("NANGUARD_") and n != "NANGUARD_MODE"]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
