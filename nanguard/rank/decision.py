@@ -502,7 +502,9 @@ class Decider:
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
                 reading = replace(reading, probes=fresh.probes if fresh is not None else [],
                                   evidence=fresh.evidence if fresh is not None else [])
-                if look.diverged:  # (its probes are not the original pass's: nothing is named from them)
+                if look.diverged or (look.missed and all(map(math.isfinite, reading.probes[:look.forward_values]))):
+                    # its probes are not the original pass's, or not all of it and finite: they say nothing
+                    # of where the value was born, nor that the forward was finite
                     detector.log.forget_probes()
                     reading = replace(reading, probes=[], evidence=[])
                 finding = original if not detector.sentinel else self._diagnose(reading, owners, grads, written, later)

@@ -472,9 +472,10 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
         # no module output of this step was checked: nothing says the forward was finite
         return fields | {"message": f"{counted}, this one first in backward order; no module output of the"
                                     " model was checked in this step (a forward inside torch.func's vmap or"
-                                    " grad is not; a model compiled in place with module.compile() before a"
-                                    " bare nanguard.init() is never seen: pass it to init), so whether it was"
-                                    " born in the forward or the backward is unknown"}
+                                    " grad is not, nor one the microscope could not re-run; a model compiled in"
+                                    " place with module.compile() before a bare nanguard.init() is never seen:"
+                                    " pass it to init), so whether it was born in the forward or the backward"
+                                    " is unknown"}
     hidden = _hidden_nan(catalog, log, extremes)
     if hidden:
         return fields | {"message": f"{counted}, this one first in backward order; {hidden}"}

@@ -45,7 +45,10 @@ HELLO = {"rank": 1, "local_rank": 1, "world_size": 2, "host": "node1", "pid": 42
          "device": "cpu", "version": "0.1.0"}
 
 # text with at least one character str.isprintable() refuses (C0, DEL, C1, line breaks, format)
-controls = st.characters(codec="utf-8", exclude_categories=()).filter(lambda c: not c.isprintable())
+# (drawn from the categories str.isprintable() refuses, not filtered out of every character: a filter
+# that drops most draws failed Hypothesis's health check on a loaded machine)
+controls = st.characters(codec="utf-8", categories=("Cc", "Cf", "Co", "Cn", "Zl", "Zp", "Zs"),
+                         exclude_characters=" ").filter(lambda c: not c.isprintable())
 hostile_text = st.tuples(st.text(max_size=20), controls, st.text(max_size=20)).map("".join)
 printable_text = st.text(st.characters(codec="utf-8").filter(str.isprintable), max_size=60)
 
