@@ -576,7 +576,10 @@ def _hook_parts(detector: Detector, root: nn.Module) -> None:
     @untraced
     def hook(module, args, kwargs):
         log = detector.log
-        if detector.depth or detector.rerunning or not torch.is_grad_enabled() or len(log.parts) >= MAX_PARTS:
+        if detector.depth or detector.rerunning or not torch.is_grad_enabled():
+            return
+        if len(log.parts) >= MAX_PARTS:
+            log.parts_over += 1
             return
         if not log.started:
             detector.step_starts()

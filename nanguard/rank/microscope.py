@@ -36,7 +36,7 @@ from .records import CHECK, OUT, Context, version_of
 
 _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts", "parts")
 """what the original pass left in the step's log that the re-run does not make again"""
-_CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions")
+_CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
 
 
 @dataclass(slots=True)
@@ -117,6 +117,9 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
+    if log.parts_over:
+        look.missed.append(f"{log.parts_over} calls of the model's parts by the script beyond the first {len(log.parts)}:"
+                           " not held, so not re-run")
     detector.reset(decided=False)
     was_probing = detector.probes.on
     detector.probes.install()

@@ -418,6 +418,8 @@ class StepLog:
     kwargs, their tensors' versions, ``Context``) of each call of a root's child that the script
     made itself, outside any root forward (a GAN's ``ModuleDict``, a LightningModule's training_step):
     references, for the microscope (``detector.MAX_PARTS`` a step at most)"""
+    parts_over: int = 0
+    """calls of the model's parts beyond ``MAX_PARTS`` in this step: not held, so not re-run"""
     outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     """references to each root forward's floating outputs (with ``version_of``), by ``spans`` index,
     where they fit in the detail budget: whether the original forward made them non-finite is told
@@ -458,7 +460,7 @@ class StepLog:
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.left = self.loss_at = None
-        self.calls = 0
+        self.calls = self.parts_over = 0
         self.started = self.trained = False
         self.buffers_at_start, self.buffer_versions = {}, {}
 

@@ -355,3 +355,25 @@ def test_a_model_that_fails_when_re_run_is_still_stopped_and_says_it_could_not_t
     assert (event.step, event.reproduced, event.verdict) == (0, None, None)
     assert "its re-run raised RuntimeError: this batch was consumed already" in event.message
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_calls_of_a_models_parts_beyond_what_is_held_are_said_not_re_run():
+    """A script that calls a model's part itself, more often in a step than the microscope holds: the calls
+    past MAX_PARTS are not re-run, so a NaN made there is not called transient."""
+    from nanguard.rank.detector import MAX_PARTS
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"cell": nn.Linear(4, 4)})  # (no forward of its own: the script calls its cell)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer):
+        h = torch.randn(2, 4)
+        for k in range(MAX_PARTS + 6):
+            h = torch.tanh(model["cell"](h))
+            if k == MAX_PARTS + 3:
+                h = h * float("nan")  # (the script's own code, after a call that was not held)
+        h.sum().backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+    event = info.value.event
+    assert event.step == 0 and event.reproduced is None and event.verdict is None, event
+    assert f"beyond the first {MAX_PARTS}: not held, so not re-run" in event.message
