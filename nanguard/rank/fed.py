@@ -39,10 +39,10 @@ class Feeds:
 
     def step_decided(self, batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> None:
         """The step's held batches (``StepLog.batches``) before they are let go."""
-        self.copying = self.copying or any(_moved(t, version) for *_, held in batches for t, version in held)
+        self.copying = self.copying or any(moved(t, version) for *_, held in batches for t, version in held)
 
 
-def _moved(tensor: torch.Tensor, version: int) -> bool:
+def moved(tensor: torch.Tensor, version: int) -> bool:
     """Changed in place since its version was ``version`` (an inference tensor keeps none: never)."""
     return version >= 0 and version_of(tensor) != version
 
@@ -51,7 +51,7 @@ def as_fed(args: tuple, kwargs: dict, versions: list[tuple[torch.Tensor, int]]) 
     """A micro-batch as its forward was fed: a tensor changed in place since is marked ``Changed``
     (its contents now are another micro-batch's), never written as if it were the one fed. An
     inference tensor keeps no version (``version_of`` gave it a negative number): written as it is."""
-    changed = {id(t) for t, version in versions if _moved(t, version)}
+    changed = {id(t) for t, version in versions if moved(t, version)}
     if changed:
         args, kwargs = map_tensors((args, kwargs), lambda t: Changed(t) if id(t) in changed else t)
     return {"args": args, "kwargs": kwargs}

@@ -30,6 +30,7 @@ from .._tree import floating_tensors, map_tensors
 from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot
 from . import forensics
 from .detector import Detector, batch_probes, let_go_clean
+from .fed import moved
 from .modules import ddp_inner, eager, type_name
 from .records import CHECK, OUT, Context, version_of
 
@@ -205,7 +206,7 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     if module is None:
         look.missed.append(f"micro-batch {forward}: no module to call again (the script called the model's parts)")
         return
-    if _changed(versions):
+    if any(moved(t, version) for t, version in versions):
         look.missed.append(f"micro-batch {forward}: its input was changed in place after its forward began")
         return
     module = ddp_inner(module) or module  # (no communication: every rank re-runs its own)
@@ -247,7 +248,7 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
     """Re-run a call the script made of a model's part, outside any root forward: its probes are made
     as the full mode makes those of such a call (of no micro-batch)."""
     module = context.module() if context.module is not None else None
-    if module is None or _changed(versions):
+    if module is None or any(moved(t, version) for t, version in versions):
         look.missed.append(f"call {k + 1} of a model's part by the script: its module is gone or its input was"
                            " changed in place since")
         return
@@ -260,11 +261,6 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
         return
     look.ran += 1
     look.parts_bad = look.parts_bad or not all_finite(floating_tensors(output))
-
-
-def _changed(versions: list[tuple[torch.Tensor, int]]) -> bool:
-    """Whether a held tensor was changed in place since its version was taken (an inference tensor keeps none)."""
-    return any(version >= 0 and version_of(t) != version for t, version in versions)
 
 
 def _copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
