@@ -100,7 +100,7 @@ class Settings:
 
     on_nan: Policy = _setting("raise", str.strip, "policy on a non-finite value: raise, skip or warn")
     mode: Mode = _setting(
-        "full", str.strip,
+        "sentinel", str.strip,
         "what is checked on every step: sentinel (what the update depends on; the full probes re-run only"
         " a bad step) or full (every module's output on every step)"
     )

@@ -30,7 +30,7 @@ def guard_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     mode = getattr(request, "param", None)
     if mode is not None:
         monkeypatch.setenv("NANGUARD_MODE", mode)
-    return mode or os.environ.get("NANGUARD_MODE", "full")
+    return mode or os.environ.get("NANGUARD_MODE", "sentinel")
 
 
 @pytest.fixture

@@ -274,7 +274,7 @@ _RERAN = ("not reproduced: the microscope re-ran the step from memory on this de
           " transient fault of the hardware")
 _TRANSIENT = _RERAN + "; nothing in the model is blamed for it"
 _TRANSIENT_SEEN = _RERAN + "; this step's probes saw it born here"
-_UNSEEN = "the microscope could not re-run all of the step ({}): whether it is reproducible is not known"
+_UNSEEN = "whether it is reproducible is not known: {}"
 
 
 def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Look, host: str,
@@ -395,6 +395,7 @@ class Decider:
                 gradients_too: bool = True) -> None:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
+        detector.optimizer_steps(optimizer)
         owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
         several = collectives is not None and collectives.world_size > 1
         later, applied = changed_gradients(owners, detector.log, several) if gradients_too else ([], [])
@@ -405,8 +406,6 @@ class Decider:
                             watches_buckets=detector.backward.watched(), evidence=detector.log.evidence,
                             buffers=detector.buffers.probes(written), extras=self.respond.extras(),
                             slots=(detector.log.value_slots, detector.log.evidence_slots), applied=applied)
-        if reading is not None:
-            reading.several = several
         if reading is None:  # nothing checked, nobody to agree with
             detector.reset()
             self.respond.step_ended(self.clock.index, loss=None, extras=[], norms=[], owners=[],
@@ -415,6 +414,7 @@ class Decider:
                 self._respond_to(self._take_early(), optimizer, together=False)
             self._clean(stop=self.respond.reporter.stop_requested)
             return
+        reading.several = several
         self._settle_harmless(reading, optimizer, collectives)
         loss = reading.probes[detector.log.loss_at] if detector.log.loss_at is not None else None
         # the gradients' series: as the backward pass left them, or where a GradScaler scaled those, as applied
@@ -460,8 +460,9 @@ class Decider:
             local = self._look(reading, owners, grads, written, later)
         else:
             local = self._diagnose(reading, owners, grads, written, later)
-        if verdict and self._seen is not None and reading.several and self.detector.backward.ddp:  # (alike on every rank)
-            peer.compare(self.collectives, self.detector, self._seen, local.event if local is not None else None,
+        seen, self._seen = self._seen, None  # (its re-run's outputs hold graphs whose hooks hold the guard)
+        if verdict and seen is not None and reading.several and self.detector.backward.ddp:  # (alike on every rank)
+            peer.compare(self.collectives, self.detector, seen, local.event if local is not None else None,
                          int(self.settings.detail_mb * 2**20), owners)
         aside, self._aside = self._aside, None
         if local is not None and aside is not None and local.event.kind in ("grad", "loss"):
@@ -502,7 +503,7 @@ class Decider:
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
                 reading = replace(reading, probes=fresh.probes if fresh is not None else [],
                                   evidence=fresh.evidence if fresh is not None else [])
-                if look.diverged or (look.missed and all(map(math.isfinite, reading.probes[:look.forward_values]))):
+                if look.diverged or (look.missed and all(map(math.isfinite, look.forward_probes(reading.probes)))):
                     # its probes are not the original pass's, or not all of it and finite: they say nothing
                     # of where the value was born, nor that the forward was finite
                     detector.log.forget_probes()
@@ -515,7 +516,7 @@ class Decider:
                 replace(reading, probes=[], evidence=[]), owners, grads, written, later)
         if finding is None:
             return None
-        forward_bad = not all(map(math.isfinite, reading.probes[:look.forward_values]))
+        forward_bad = not all(map(math.isfinite, look.forward_probes(reading.probes)))
         # a gradient the backward pass left non-finite, on this rank itself (not one the script made so
         # after it, nor one a sum across ranks brought in): what a clean backward re-run disproves
         own = detector.log.produced is not None and not all(map(math.isfinite, reading.norms)) and (

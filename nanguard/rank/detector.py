@@ -267,7 +267,7 @@ class Detector:
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.verdict:
-                log.contexts.append(Context.now(module))
+                log.contexts.append(Context.now(module, micro_batch))
             if self.feeds.copying:
                 self._mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
@@ -331,6 +331,17 @@ class Detector:
     def pending(self) -> int:
         """Probes made since the last decision."""
         return len(self.log.records)
+
+    def optimizer_steps(self, optimizer: object) -> None:
+        """An optimizer (None: no optimizer) steps: where no root forward ran in its step, the script calls
+        the model's parts itself (the model a wrapper held): their calls are held for the microscope from now on."""
+        if optimizer is not None and self.verdict and not self.parts and not self.log.spans:
+            alive = {slot.name: slot.module() for slot in self.catalog.slots}
+            # the roots' children, and a model whose wrapper was let go
+            parts = [child for root in self._root_slots if ddp_inner(root) is None for child in root.children()]
+            parts += [module for name, module in alive.items() if module is not None and "." in name
+                      and name.rsplit(".", 1)[0] in alive and alive[name.rsplit(".", 1)[0]] is None]
+            _hook_parts(self, parts)
 
     def reset(self, decided: bool = True) -> None:
         """Forget this step's probes: after a decision, or (``decided=False``) for the microscope's
@@ -558,7 +569,7 @@ def _hook_root(detector: Detector, root: nn.Module) -> None:
         detector._handles += [child.register_forward_pre_hook(_step_start(detector)) for child in root.children()]
     inner = ddp_inner(root)
     if detector.verdict:
-        _hook_parts(detector, inner or root)
+        _hook_parts(detector, (inner or root).children())
     for module in (root,) if inner is None else (root, inner):
         detector._root_slots[module] = root_slot
         pre, post = _root_hooks(detector, root_slot, module)
@@ -566,8 +577,8 @@ def _hook_root(detector: Detector, root: nn.Module) -> None:
         detector._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
 
-def _hook_parts(detector: Detector, root: nn.Module) -> None:
-    """Pre-hooks on the children of ``root`` for a script that calls them itself, outside any root
+def _hook_parts(detector: Detector, parts: Iterable[nn.Module]) -> None:
+    """Pre-hooks on a root's children (``parts``) for a script that calls them itself, outside any root
     forward (a GAN's ``ModuleDict``, a LightningModule's training_step): each such call is held with
     its ``Context`` (``StepLog.parts``), so that the microscope re-runs it. Taken off as soon as a
     root's forward runs (``Detector.root_pre``): its children are called inside it, and a clean step
@@ -593,7 +604,7 @@ def _hook_parts(detector: Detector, root: nn.Module) -> None:
         if not detector.depth and not detector.rerunning:
             _called_outside(detector, output)
 
-    handles = [handle for child in root.children() for handle in (
+    handles = [handle for child in parts for handle in (
         child.register_forward_pre_hook(hook, with_kwargs=True), child.register_forward_hook(done))]
     detector.parts += handles
     detector._handles += handles

@@ -40,6 +40,12 @@ _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "
 _CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
 
 
+_BACKWARD_CLEAN = ("its backward pass, re-run from the gradient that reached the model's outputs, made every gradient"
+                   " finite: the non-finite ones came from a transient fault of the original pass, or from the script's"
+                   " own use of the model's parts or parameters outside its forward, which no re-run repeats (the full"
+                   " mode names such a call)")
+
+
 @dataclass(slots=True)
 class Look:
     """What the microscope's re-run saw, beside the probes it left in the step's log."""
@@ -48,8 +54,9 @@ class Look:
     """micro-batches re-run"""
     missed: list[str] = field(default_factory=list)
     """why micro-batches (or their backward pass) could not be re-run"""
-    forward_values: int = 0
-    """how many of the log's ``values`` the re-run's forwards made (the checks come after)"""
+    forward_values: tuple[int, int] = (0, 0)
+    """which of the log's ``values`` the re-run's forwards made: the checks made before the step's first
+    forward come before them, the others after"""
     original_outputs_bad: bool | None = None
     """the original forwards' root outputs held a non-finite value (None: not kept, or changed since)"""
     backward_bad: bool | None = None
@@ -74,10 +81,15 @@ class Look:
     """a gradient that reached a root's output in the original pass was non-finite: it came from above
     the model (the loss), which no re-run of the model makes"""
 
+    def forward_probes(self, probes: list[float]) -> list[float]:
+        """The probes (as read from the log) that the re-run's forwards made."""
+        return probes[self.forward_values[0]:self.forward_values[1]]
+
     def reproduced(self, forward_bad: bool, own_fault: bool | None) -> bool | None:
-        """True: the re-run made a value non-finite again; False: it re-ran everything the original saw
-        go bad (``own_fault``: this rank's own gradients or outputs were bad, not another rank's) and all
-        of it stayed finite; None: it cannot tell."""
+        """True: the re-run made a value non-finite again; False: the original forward made a non-finite
+        output and its re-run, of everything the original saw go bad, stayed finite; None: it cannot tell
+        (and ``missed`` says why). Gradients alone (``own_fault``: this rank's own were bad, not another
+        rank's) that a clean backward re-run does not make again are no proof of a transient."""
         if self.diverged:
             return None
         if forward_bad or self.bad or self.parts_bad or self.backward_bad:
@@ -87,7 +99,9 @@ class Look:
         if self.original_outputs_bad:
             return False  # the original forward made it; the same forward, re-run, did not
         if own_fault and self.backward_bad is False and not self.gradient_in_bad:
-            return False
+            # no proof of a transient: the gradients also hold what the script's own code outside the model's
+            # forwards added (a part it called, a parameter it used), which no re-run of the model makes
+            self.missed.append(_BACKWARD_CLEAN)
         return None
 
 
@@ -113,8 +127,9 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     kept = {name: getattr(log, name) for name in _CARRIED}
     unpropagated = set(log.unpropagated)
     outputs, output_grads = dict(log.outputs), dict(log.output_grads)
-    checks = [(record.held(), record.slot, _place(record.held(), outputs)) for record in log.records
-              if record.role == CHECK]
+    first = log.spans[0][0] if log.spans else len(log.records)
+    checks = [(record.held(), record.slot, _place(record.held(), outputs), index < first)
+              for index, record in enumerate(log.records) if record.role == CHECK]
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
@@ -144,14 +159,19 @@ def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_
     """Each micro-batch again, then the original checks (a loss the model returned: its re-run's)."""
     log = detector.log
     parts = carried["parts"]
+    names = {index: name for name, index in detector.catalog.check_names.items()}
+    _recheck(detector, look, [check for check in checks if check[3]], names)  # (in their place: before any forward)
+    begun = len(log.values)
     for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
                                                                             carried["contexts"])):
         if context.module is None and any(part[0] == forward for part in parts):
             # a micro-batch the script began itself (Guard.begin_micro_batch) is its calls of the model's parts
             log.spans.append((len(log.records), slot, sum(1 for span in log.spans if span[1] == slot)))
+            copies: dict[int, torch.Tensor] = {}  # (a part given a tensor of the batch is given its copy)
+            batch_probes(detector, floating_tensors(_copies(args, kwargs, copies)), slot)
             for k, part in enumerate(parts):
                 if part[0] == forward:
-                    _rerun_part(detector, look, k, *part[1:])
+                    _rerun_part(detector, look, k, *part[1:], copies=copies)
             log.span_ends[len(log.spans) - 1] = len(log.records)
         else:
             _rerun_one(detector, look, forward, slot, args, kwargs, versions, context,
@@ -159,11 +179,15 @@ def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_
     for k, part in enumerate(parts):
         if part[0] < 0 or part[0] >= len(carried["batches"]):
             _rerun_part(detector, look, k, *part[1:])
-    look.forward_values = len(log.values)
-    names = {index: name for name, index in detector.catalog.check_names.items()}
-    for tensor, index, place in checks:
+    look.forward_values = (begun, len(log.values))
+    _recheck(detector, look, [check for check in checks if not check[3]], names)
+
+
+def _recheck(detector: Detector, look: Look, checks: list, names: dict[int, str]) -> None:
+    """The step's checks again, of the tensors they were given (a loss the model returned: its re-run's)."""
+    for tensor, index, place, _ in checks:
         if place is not None and place[0] in look.outputs and place[1] < len(look.outputs[place[0]]):
-            tensor = look.outputs[place[0]][place[1]]  # a loss the model returned: its re-run's
+            tensor = look.outputs[place[0]][place[1]]
         if tensor is not None and index in names:
             detector.check(tensor, names[index])
 
@@ -209,9 +233,10 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     if any(moved(t, version) for t, version in versions):
         look.missed.append(f"micro-batch {forward}: its input was changed in place after its forward began")
         return
-    module = ddp_inner(module) or module  # (no communication: every rank re-runs its own)
+    inner = ddp_inner(module)
+    module = inner or module  # (no communication: every rank re-runs its own)
     look.root_type = look.root_type or type_name(module)
-    micro_batch = sum(1 for span in detector.log.spans if span[1] == slot)
+    micro_batch = context.micro_batch  # (as counted: a guard without an optimizer counts the training model's)
     rng_restore(context.rng)
     log = detector.log
     log.spans.append((len(log.records), slot, micro_batch))
@@ -237,14 +262,18 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     # (not through FSDP2: its backward reduce-scatters, which every rank would have to run alike)
     if not bad and output_grad is not None and context.grad and not look.gradient_in_bad and not hasattr(
             module, "set_custom_reduce_scatter"):
-        bad = backward_bad(look, output, output_grad, params)
+        log.mark_backward(True)  # (what its probes see in there, checkpointing ran again: this micro-batch's)
+        bad = backward_bad(look, output, output_grad, params, alone=inner is None)
+        log.mark_backward(False)
+        log.span_ends[len(log.spans) - 1] = len(log.records)
         look.backward_bad = bad or bool(look.backward_bad)
     if bad:
         look.bad.append(forward)
 
 
 def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dict,
-                versions: list[tuple[torch.Tensor, int]], context: Context) -> None:
+                versions: list[tuple[torch.Tensor, int]], context: Context,
+                copies: dict[int, torch.Tensor] | None = None) -> None:
     """Re-run a call the script made of a model's part, outside any root forward: its probes are made
     as the full mode makes those of such a call (of no micro-batch)."""
     module = context.module() if context.module is not None else None
@@ -255,7 +284,7 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
     rng_restore(context.rng)
     detector.depth = 0
     try:
-        output = called(module, *_copies(args, kwargs), context.grad, context.autocast)
+        output = called(module, *_copies(args, kwargs, copies), context.grad, context.autocast)
     except Exception as exc:  # noqa: BLE001 - the script's module failed on its own input again
         look.missed.append(f"call {k + 1} of a model's part by the script: its re-run raised {type(exc).__name__}: {exc}")
         return
@@ -263,11 +292,18 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
     look.parts_bad = look.parts_bad or not all_finite(floating_tensors(output))
 
 
-def _copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _copies(args: tuple, kwargs: dict, made: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
     """Copies of a call's tensors to feed a re-run: a forward that edits its input in place must not edit
-    what the capture holds."""
+    what the capture holds. ``made``: the copies made so far, by ``id`` of the original, to share."""
+    made = {} if made is None else made
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            made[id(tensor)] = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        return made[id(tensor)]
+
     with torch.no_grad():
-        return map_tensors((args, kwargs), lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+        return map_tensors((args, kwargs), copy)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -282,9 +318,11 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
-              params: list[torch.Tensor]) -> bool:
+                 params: list[torch.Tensor], alone: bool = False) -> bool:
     """The re-run's backward pass from its output, fed the gradient the original's output received:
-    whether it made a parameter's gradient non-finite (read into no ``.grad``)."""
+    whether it made a parameter's gradient non-finite (read into no ``.grad``; where reentrant
+    checkpointing needs a backward into ``.grad``, and the model is ``alone``, with no DDP reducer
+    listening on its parameters, into ``.grad`` for a moment, the step's own put back after)."""
     at, grad = output_grad
     tensors = floating_tensors(output)
     wanted = [p for p in params if p.requires_grad]
@@ -292,11 +330,30 @@ def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
         look.missed.append("a backward pass: the re-run's output differs from the original's")
         return False
     try:
-        grads = torch.autograd.grad(tensors[at], wanted, grad_outputs=grad, allow_unused=True)
+        try:
+            grads = torch.autograd.grad(tensors[at], wanted, grad_outputs=grad, allow_unused=True, retain_graph=alone)
+        except RuntimeError as exc:
+            if not (alone and "use_reentrant=True" in str(exc)) or any(
+                    getattr(p, "_post_accumulate_grad_hooks", None) for p in wanted):
+                raise
+            grads = _into_grad(tensors[at], wanted, grad)
     except RuntimeError as exc:
         look.missed.append(f"a backward pass: its re-run raised {exc}")
         return False
     return not all_finite([g for g in grads if g is not None])
+
+
+def _into_grad(output: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor | None]:
+    """``output.backward(grad)`` into the parameters' ``.grad``, which hold the step's own again after."""
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        output.backward(grad)
+        return [p.grad for p in params]
+    finally:
+        for p, kept in zip(params, saved):
+            p.grad = kept
 
 
 def _place(tensor: torch.Tensor | None, outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, int] | None:

@@ -359,13 +359,16 @@ class Context:
     autocast: tuple[tuple[str, torch.dtype], ...]
     """(device type, dtype) of each autocast in force"""
     grad: bool
+    micro_batch: int = -1
+    """the micro-batch it began (-1: a call of no micro-batch)"""
 
     @classmethod
-    def now(cls, module: nn.Module | None) -> Context:
+    def now(cls, module: nn.Module | None, micro_batch: int = -1) -> Context:
         autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                          if torch.is_autocast_enabled(device)) if _any_autocast() else ()
         return cls(weakref.ref(module) if module is not None else None, _default_generator.clone_state(),
-                   list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled())
+                   list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled(),
+                   micro_batch)
 
     @property
     def rng(self) -> dict[str, Any]:

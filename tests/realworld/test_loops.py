@@ -12,7 +12,7 @@ from torch import nn
 import nanguard
 from helpers import assert_untouched, until_stop
 from oracles import ForwardOracle, GradOracle
-from zoo import Actor, TutorialLM, nanogpt, poison_backward_of, token_batch
+from zoo import Actor, TutorialLM, nan_for_batch, nanogpt, poison_backward_of, token_batch
 
 ACCUMULATION = 4
 
@@ -43,15 +43,14 @@ def nanogpt_step(model, optimizer, *, clip: float = 1.0, on_micro=lambda step, m
 
 def test_nanogpt_accumulation_names_the_micro_batch_and_the_module():
     model = nanogpt()
-    armed = {"at": None}
-    target = model.transformer.h[1].attn.c_proj
-    target.register_forward_hook(lambda m, a, out: out * math.nan if armed["at"] else None)
+    fault = nan_for_batch(model, model.transformer.h[1].attn.c_proj)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with nanguard.init(model, optimizer) as guard:
         oracle = ForwardOracle(model)
 
         def on_micro(step, micro):
-            armed["at"] = (step, micro) == (2, 2)
+            if (step, micro) == (2, 2):
+                fault["batch"] = token_batch(ACCUMULATION * step + micro, seq=17)[:, :-1].contiguous()
 
         _, err, before = until_stop(nanogpt_step(model, optimizer, on_micro=on_micro), model, optimizer,
                                     steps=4, oracles=[oracle])

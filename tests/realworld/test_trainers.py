@@ -12,7 +12,7 @@ from torch import nn
 import nanguard
 from helpers import assert_fed_as_captured, assert_untouched, needs
 from oracles import ForwardOracle, GradOracle, StateBefore, identical, tensors_in
-from zoo import gpt2, poison_backward_of, token_batch
+from zoo import gpt2, nan_for_batch, poison_backward_of, token_batch
 
 BAD_STEP = 3
 
@@ -145,11 +145,21 @@ def test_lightning_clipping_does_not_move_the_blame_of_a_backward_nan():
     assert_untouched(watch.before[BAD_STEP], model, trainer.optimizers[0])
 
 
-def test_lightning_16_mixed_counts_the_steps_its_scaler_skips_as_the_trainer_does():
+def test_lightning_16_mixed_counts_the_steps_its_scaler_skips_as_the_trainer_does(guard_mode):
     # a scale far too high: the scaler skips the first steps (no optimizer.step()), which the
     # trainer's global_step counts, up to the NaN batch
     needs("lightning")
+    from nanguard.integrations.lightning import NanguardCallback
+
     err, model, trainer, watch = lightning_script(scale=2.0**40)
+    if guard_mode == "sentinel":
+        # the scaler skips the NaN batch's update too (its own verdict): no update depends on it, and the
+        # sentinel reads no forward, so nothing stops; the steps are counted as the trainer counts them
+        (callback,) = [c for c in trainer.callbacks if isinstance(c, NanguardCallback)]
+        assert err is None and callback.guard.step == trainer.global_step == 6 and callback.guard.events == []
+        assert trainer.precision_plugin.scaler.get_scale() < 2.0**40
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        return
     assert err is not None
     assert trainer.precision_plugin.scaler.get_scale() < 2.0**40
     assert (err.event.step, err.event.kind, err.event.layer) == (BAD_STEP, "forward", "encoder.0")
@@ -305,9 +315,7 @@ def accelerate_loop(prepare_first: bool, accumulation: int = 2, steps: int = 5):
     from accelerate import Accelerator
 
     model = gpt2()
-    armed = {"on": False}
-    model.transformer.h[1].mlp.c_proj.register_forward_hook(
-        lambda m, a, out: out * math.nan if armed["on"] else None)
+    fault = nan_for_batch(model, model.transformer.h[1].mlp.c_proj)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader([token_batch(i, batch=1)[0] for i in range(64)], batch_size=2)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
@@ -320,7 +328,8 @@ def accelerate_loop(prepare_first: bool, accumulation: int = 2, steps: int = 5):
     try:
         for index, ids in enumerate(loader):
             step, micro = divmod(index, accumulation)
-            armed["on"] = (step, micro) == (BAD_STEP, 1)
+            if (step, micro) == (BAD_STEP, 1):
+                fault["batch"] = ids
             if micro == 0:
                 oracle.reset()
                 before = StateBefore(model, optimizer)

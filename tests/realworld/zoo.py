@@ -51,6 +51,23 @@ def poison_backward_of(module: nn.Module) -> torch.Tensor:
     return poison
 
 
+def nan_for_batch(model: nn.Module, module: nn.Module) -> dict[str, Any]:
+    """A forward fault keyed on the data, as an overflow is: ``module``'s output turns NaN in every
+    forward of ``model`` given the token ids held in ``fault["batch"]`` (a re-run of that batch makes
+    it again; a flag the script sets per micro-batch would not). The hooks are the user's."""
+    fault: dict[str, Any] = {"batch": None, "on": False}
+
+    def given(mod, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        bad = fault["batch"]
+        fault["on"] = bad is not None and isinstance(ids, torch.Tensor) and ids.shape == bad.shape and bool(
+            torch.equal(ids, bad))
+
+    model.register_forward_pre_hook(given, with_kwargs=True)
+    module.register_forward_hook(lambda mod, args, out: out * math.nan if fault["on"] else None)
+    return fault
+
+
 def set_element(param: torch.Tensor, index: tuple[int, ...], value: float) -> None:
     with torch.no_grad():
         param[index] = value

@@ -52,6 +52,7 @@ def ddp_model_after_a_step(close: bool, fault: bool = False) -> tuple[weakref.re
     return weakref.ref(model), weakref.ref(guard)
 
 
+@pytest.mark.modes("sentinel", "full")  # (the microscope's re-run leaves graphs whose hooks hold the guard)
 @pytest.mark.parametrize("close, fault", [(True, False), (False, False), (True, True), (False, True)],
                          ids=["closed", "never-closed", "closed-after-stop", "never-closed-after-stop"])
 def test_nanguard_keeps_no_ddp_model_alive(gloo, close, fault):

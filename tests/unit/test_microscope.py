@@ -377,3 +377,54 @@ def test_calls_of_a_models_parts_beyond_what_is_held_are_said_not_re_run():
     event = info.value.event
     assert event.step == 0 and event.reproduced is None and event.verdict is None, event
     assert f"beyond the first {MAX_PARTS}: not held, so not re-run" in event.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_the_scripts_own_penalty_makes_non_finite_is_never_blamed_on_the_hardware(mode):
+    # the script adds a penalty on a weight outside the model's forward (a square root of a weight
+    # that went negative): no re-run of the model makes it, so a clean re-run proves no transient
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, mode=mode) as guard:
+        for step in range(3):
+            loss = model(torch.randn(5, 8)).pow(2).mean()
+            if step == 2:
+                loss = loss + torch.sqrt(model[2].weight).sum()  # NaN where the weight is negative
+            loss.backward()
+            if step < 2:
+                optimizer.step()
+                optimizer.zero_grad()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+    event = info.value.event
+    # (the loss the backward pass began from is NaN: what the gradients' NaN came with)
+    assert (event.step, event.kind, event.layer, event.extra["bad_params"]) == (2, "loss", "loss", ["2.weight"]), event
+    assert (event.reproduced, event.verdict) == (None, None)
+    assert "the script's own use of the model's parts or parameters outside its forward" in event.message
+    assert "transient fault of the hardware" not in event.message and not guard.events[1:]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_whose_wrapper_is_let_go_is_re_run_from_the_step_after(mode):
+    # the script trains, from step 1 on, the model a wrapper held (as after PEFT's merge_and_unload()):
+    # the guarded root runs no forward any more, and its model's calls are held for the re-run instead
+    class Holder(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x)
+
+    model = make_mlp()
+    _faulty_on_the_mark(model)
+    holder = Holder(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(holder, optimizer, mode=mode):
+        assert _run(holder, optimizer, None, 1) is None
+        assert _run(model, optimizer, None, 1) is None
+        err = _run(model, optimizer, None, 1, mark=lambda k: True)
+    event = err.event
+    assert (event.step, event.kind, event.layer, event.module_type) == (2, "forward", "model.2", "Fault"), event
+    assert (event.reproduced, event.verdict) == (True, "reproducible")
