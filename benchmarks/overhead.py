@@ -143,7 +143,7 @@ class ModelSpec:
     extra: str | None = None  # the optional extra its packages come with
 
 
-WITH_FLOOR = ("plain", "nanguard", "nanguard sentinel", "probe-floor")
+WITH_FLOOR = ("plain", "nanguard", "nanguard full", "probe-floor")
 """what a workload beyond the default three runs: nanguard beside the floor of per-module probing"""
 
 # --------------------------------------------------------------- real-model workloads
@@ -226,7 +226,7 @@ MODELS = {
         # no floor: its hook keeps Python state, so it stays out of compiled graphs (it would
         # make Dynamo recompile at every call) and probes nothing there
         ModelSpec("vit-compiled", build_vit_compiled, classification_batch(8, 3, 32, 32), classification_loss,
-                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard", "nanguard sentinel"), extra="realworld"),
+                  steps=10, rounds=12, warmup=5, target=1.03, variants=("plain", "nanguard", "nanguard full"), extra="realworld"),
         ModelSpec("resnet-bn", build_resnet, classification_batch(8, 3, 32, 32), classification_loss,
                   steps=10, rounds=12, warmup=5, target=1.03, variants=WITH_FLOOR, extra="realworld"),
         # the MLP with clip_grad_norm_ at every step: gradients that change after the backward pass
@@ -234,7 +234,7 @@ MODELS = {
         ModelSpec("mlp-clip", build_mlp, classification_batch(64, 64), classification_loss,
                   steps=50, rounds=20, warmup=30, target=1.10, variants=WITH_FLOOR, clip=1.0),
         ModelSpec("nan-storm", build_storm, classification_batch(64, 64), classification_loss,
-                  steps=50, rounds=12, warmup=10, target=1.5, variants=("plain", "nanguard", "nanguard sentinel"),
+                  steps=50, rounds=12, warmup=10, target=1.5, variants=("plain", "nanguard", "nanguard full"),
                   guard=(("on_nan", "warn"), ("max_events", 64))),
     )
 }
@@ -322,8 +322,8 @@ VARIANTS = {
     v.name: v
     for v in (
         Variant("plain"),
-        Variant("nanguard", attach_nanguard(), needs_nanguard=True),  # the default mode
-        Variant("nanguard sentinel", attach_nanguard(mode="sentinel"), needs_nanguard=True),
+        Variant("nanguard", attach_nanguard(), needs_nanguard=True),  # the default mode: the sentinel
+        Variant("nanguard full", attach_nanguard(mode="full"), needs_nanguard=True),
         Variant("nanguard+param-grads", attach_nanguard(param_grad_norms=True),
                 needs_nanguard=True),
         Variant("nanguard detail_mb=0", attach_nanguard(detail_mb=0), needs_nanguard=True),

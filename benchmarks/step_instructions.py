@@ -87,7 +87,7 @@ def main() -> None:
                         help="a workload of overhead.py (mlp, hf-gpt2, resnet-bn, ...; default mlp)")
     parser.add_argument("--steps", type=int, default=20, help="N: the steps counted (default 20)")
     parser.add_argument("--variant", action="append",
-                        help="an overhead.py variant to count (repeat: 'nanguard sentinel'); default: nanguard")
+                        help="an overhead.py variant to count (repeat: 'nanguard full'); default: nanguard")
     args = parser.parse_args()
     if args.model not in overhead_models():
         parser.error(f"--model {args.model!r}: not a workload of overhead.py ({', '.join(overhead_models())})")

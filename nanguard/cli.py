@@ -95,7 +95,8 @@ def format_status(status: dict, now: float) -> str:
         lines.append("stop: none")
     else:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stop["time"]))
-        lines.append(f"stop: command {p(stop['command_id'])} ({p(stop['origin'])}) at {when}: {p(stop['reason'])}; "
+        why = p(stop["origin"]) + (f", counted as {p(stop['counted_as'])}" if "counted_as" in stop else "")
+        lines.append(f"stop: command {p(stop['command_id'])} ({why}) at {when}: {p(stop['reason'])}; "
                      f"acked by {len(stop['acked'])} of {len(status['ranks'])} rank(s)")
     return "\n".join(lines)
 

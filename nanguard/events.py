@@ -135,17 +135,21 @@ class Event:
         }[self.kind]
         if self.kind == "forward" and self.input_nonfinite:
             what = "non-finite input to"
-        elif self.output_field is not None:
+        elif self.output_field is not None and self.kind == "loss":  # (a loss names no module after it)
+            model = f"the model ({self.module_type})" if self.module_type else "the model"
+            return f"non-finite loss ({self.output_field!r} in the output of {model}) {self._place()}"
+        elif self.output_field is not None and self.kind not in ("grad_norm", "spike"):
             what = f"non-finite {self.output_field!r} in the output of"
         # the root module's own name is empty: "the model" rather than a gap
         name = self.layer or ("the model" if self.module_type else "")
         subject = "" if self.kind in ("loss", "grad_norm", "spike") else f" {name}"
         if self.module_type:
             subject += f" ({self.module_type})"
+        return f"{what}{subject} {self._place()}"
+
+    def _place(self) -> str:
         place = f"at step {self.step}, rank {self.rank}"
-        if self.micro_batch is not None:
-            place += f", micro-batch {self.micro_batch}"
-        return f"{what}{subject} {place}"
+        return place if self.micro_batch is None else f"{place}, micro-batch {self.micro_batch}"
 
     def detail(self) -> str:
         if self.kind in WARN_KINDS:

@@ -226,7 +226,7 @@ _STATUS_RANK = _object({
 _STOP_STATE = _object({
     "command_id": _COMMAND_ID, "origin": _text(16, ORIGINS), "reason": _REASON, "time": _TIMESTAMP,
     "acked": _list(_RANK, 0, MAX_RANK),
-})
+}, {"counted_as": _text(16, STOP_REASONS)})  # (the reason nanguard_stops_total counts it under)
 
 SCHEMAS: dict[str, Check] = {
     # rank or operator -> coordinator, and its answer

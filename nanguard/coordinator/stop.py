@@ -44,12 +44,14 @@ class StopCommand:
     reason: str
     time: float
     """wall clock of the decision (shown in ``status``)"""
+    counted_as: str = "policy"
+    """the reason ``nanguard_stops_total`` counts it under (``STOP_REASONS``)"""
     acked: set[int] = field(default_factory=set)
 
     def status(self) -> dict[str, Any]:
         """The ``stop`` of a ``status`` reply (coordinator -> operator)."""
         return {"command_id": self.command_id, "origin": self.origin, "reason": self.reason,
-                "time": self.time, "acked": sorted(self.acked)}
+                "time": self.time, "acked": sorted(self.acked), "counted_as": self.counted_as}
 
 
 class StopFanout:
@@ -72,7 +74,7 @@ class StopFanout:
         and sent to every unfinished rank); the existing command and False after that."""
         if self.command is not None:
             return self.command, False
-        command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall)
+        command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall, label)
         self._metrics.stop(label)
         targets = self._ranks.unfinished()
         started = time.perf_counter()

@@ -232,7 +232,8 @@ class Detector:
             return None
         return entry[2] if self.log.records[entry[2]].role == IN else None
 
-    def _mark_seen(self, tensors: list[torch.Tensor]) -> None:
+    def mark_seen(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` count as checked (a batch's copies, probed as the batch)."""
         for tensor in tensors:
             self._seen[id(tensor)] = (weakref.ref(tensor), version_of(tensor), None)
 
@@ -267,9 +268,9 @@ class Detector:
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.verdict:
-                log.contexts.append(Context.now(module, micro_batch))
+                log.contexts.append(Context.now(module, micro_batch, ddp_inner(module) if module is not None else None))
             if self.feeds.copying:
-                self._mark_seen(self._unchecked(inputs))
+                self.mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
         if not self.sentinel or not grad or self.outputs_decide():
             # (a sentinel's training step needs none: the microscope's re-run probes the batch it re-runs)
@@ -746,7 +747,7 @@ def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None
               if named and type(output) is not torch.Tensor else {})
     outputs = floating_tensors(output)
     if mode == SKIP_MODE:
-        detector._mark_seen(outputs)
+        detector.mark_seen(outputs)
         return None
     inputs = call_tensors(args, kwargs)
     if mode == PASS_MODE:
@@ -754,7 +755,7 @@ def _general_call(detector: Detector, slot: int, mode: int, passing: bool | None
             for tensor in unchecked(outputs):
                 add(tensor, IN, slot, passed=True)
         else:
-            detector._mark_seen(outputs)
+            detector.mark_seen(outputs)
         return None
     given, returned = {id(t) for t in inputs}, {id(t) for t in outputs}
     fresh = {id(t) for t in unchecked(inputs)}

@@ -29,6 +29,8 @@ MakeEvent = Callable[[dict[str, Any]], Event]
 
 _UNEXACT = ("no element detail: the tensor was freed and lay beyond the step's detail_mb budget"
             " (raise detail_mb to keep it)")
+_NOT_KEPT = ("no element detail: the tensor was not kept (a forward whose every output was finite lets go of what"
+             " it kept at its end, and a compiled graph keeps nothing of its inside)")
 _UNVERSIONED = ("no element detail: an inference tensor (torch.inference_mode) keeps no version, so it"
                 " cannot be told unchanged since it was checked")
 _CHANGED = ("no element detail: the tensor was changed in place after it was checked (an in-place"
@@ -233,7 +235,8 @@ def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
     """What a probe alone says of a tensor that is gone: NaN (both extremes are NaN then) or Inf."""
     has_nan = math.isnan(pair[0])
     kept = record.held()
-    why = _UNEXACT if kept is None else _UNVERSIONED if kept.is_inference() else _CHANGED
+    why = (_NOT_KEPT if record.kept is None else _UNEXACT) if kept is None else \
+        _UNVERSIONED if kept.is_inference() else _CHANGED
     stats: dict[str, Any] = {"has_nan": has_nan, "has_inf": not has_nan and not (
         math.isfinite(pair[0]) and math.isfinite(pair[1])), "message": why}
     if record.shape is not None:
@@ -359,6 +362,18 @@ def _bad_batch(catalog: Catalog, log: StepLog, index: int) -> tuple[bool | None,
     if found is None:
         return None
     return (*found, f"the input batch of {name or 'the model'} was already non-finite")
+
+
+def _batch_as_fed(log: StepLog, index: int) -> str | None:
+    """The batch of the forward that made probe ``index`` as it was fed: "finite" (a copy held as its
+    forward began, or a tensor unchanged since, checked exactly now), "changed" (changed in place
+    since: its forward, or the script, wrote it), else None (non-finite, freed, or no batch held)."""
+    start = next((s[0] for s in reversed(log.spans) if s[0] <= index), 0)
+    records = [log.records[k] for k in range(start, index) if log.records[k].role == BATCH]
+    if any(r.held() is not None and r.tensor() is None for r in records):
+        return "changed"
+    batch = [r.tensor() for r in records]
+    return "finite" if batch and all(t is not None and forensics.is_finite(t) for t in batch) else None
 
 
 def _passed_on(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int,
@@ -686,12 +701,17 @@ def _code_between(catalog: Catalog, log: StepLog, extremes: list[tuple[float, fl
         depth -= 1  # a list of modules runs no code: its items are called by the code of its parent
     for cut in range(len(own), depth - 1, -1):  # innermost first: a NaN argument of a caller
         taken = _nan_argument(catalog, log, extremes, ".".join(own[:cut]), index)
+        fed = _batch_as_fed(log, index) if taken is not None and not cut else None
+        if fed == "finite":
+            taken = None  # (the root's argument, probed as it returned: fed finite, so its forward changed it)
         if taken is not None:  # most likely its value came in with it; or the caller's code made it
             caller = ".".join(own[:cut])
             bad = _bad_state(log, by_name.get(caller), recurse=False)
             caller = caller or "the root module"
+            passed = "changed in place since it was fed, so whether it came with NaN is not known" if fed == \
+                "changed" else "already with NaN"
             return (f"{_code_between(catalog, log, extremes, taken)} (passed to {caller} as an argument"
-                    f" already with NaN), or of {caller} itself" + (f", whose {bad}" if bad else ""))
+                    f" {passed}), or of {caller} itself" + (f", whose {bad}" if bad else ""))
     labels = [".".join(own[:cut]) for cut in range(depth, len(own) + 1)] + [
         catalog.slots[r.slot].name for i, r in enumerate(log.records[last + 1:index + 1], last + 1)
         if r.role == IN and r.passed is None and not _finite(extremes[i])]  # (the probe's own module too)

@@ -168,7 +168,7 @@ def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_
             # a micro-batch the script began itself (Guard.begin_micro_batch) is its calls of the model's parts
             log.spans.append((len(log.records), slot, sum(1 for span in log.spans if span[1] == slot)))
             copies: dict[int, torch.Tensor] = {}  # (a part given a tensor of the batch is given its copy)
-            batch_probes(detector, floating_tensors(_copies(args, kwargs, copies)), slot)
+            _fed(detector, args, kwargs, slot, copies)
             for k, part in enumerate(parts):
                 if part[0] == forward:
                     _rerun_part(detector, look, k, *part[1:], copies=copies)
@@ -212,15 +212,32 @@ def untouched(detector: Detector) -> Iterator[None]:
 
 
 def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
-           autocast: tuple[tuple[str, torch.dtype], ...]) -> Any:
-    """``module(*args, **kwargs)`` under the grad mode and the autocasts a micro-batch's forward ran in."""
+           autocast: tuple[tuple[str, torch.dtype], ...], forward: Any = None) -> Any:
+    """``module(*args, **kwargs)`` under the grad mode and the autocasts a micro-batch's forward ran in,
+    with the ``forward`` it held as its own attribute then, if any (``Context.forward``)."""
     with ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad))
         for device, dtype in autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        if forward is not None:
+            stack.enter_context(_forward_as(module, forward))
         # eagerly: every module's probe sees its output exactly, where a compiled graph shows only
         # what its leaves return
         return eager(module)(*args, **kwargs)
+
+
+@contextmanager
+def _forward_as(module: torch.nn.Module, forward: Any) -> Iterator[None]:
+    """``module.forward`` is ``forward`` inside the block, what it was after."""
+    before = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if before is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = before
 
 
 def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tuple, kwargs: dict,
@@ -240,11 +257,10 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     rng_restore(context.rng)
     log = detector.log
     log.spans.append((len(log.records), slot, micro_batch))
-    args, kwargs = _copies(args, kwargs)
-    batch_probes(detector, floating_tensors((args, kwargs)), slot)
+    args, kwargs = _fed(detector, args, kwargs, slot)
     detector.depth = 1
     try:
-        output = called(module, args, kwargs, context.grad, context.autocast)
+        output = called(module, args, kwargs, context.grad, context.autocast, context.forward)
     except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
         look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
         return
@@ -290,6 +306,16 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
         return
     look.ran += 1
     look.parts_bad = look.parts_bad or not all_finite(floating_tensors(output))
+
+
+def _fed(detector: Detector, args: tuple, kwargs: dict, slot: int,
+         made: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+    """The copies of a micro-batch's held arguments that its re-run is fed; the batch is probed as held (a
+    forward that edits its input in place edits the copies), and the copies count as that batch."""
+    batch_probes(detector, floating_tensors((args, kwargs)), slot)
+    fed = _copies(args, kwargs, made)
+    detector.mark_seen(floating_tensors(fed))
+    return fed
 
 
 def _copies(args: tuple, kwargs: dict, made: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:

@@ -55,7 +55,7 @@ def request(detector: Detector, look: microscope.Look, budget: int) -> dict[str,
 def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor]) -> bool | str:
     """Re-run a peer's micro-batch here: True when it went bad again, False when clean, or why it
     could not be run. The RNG and floating buffers are put back as they were."""
-    module = _root(detector, asked["slot"])
+    module, forward = _root(detector, asked["slot"])
     if module is None:
         return "the peer holds no model of that micro-batch"
     if _weights(detector, asked["slot"]) != asked["weights"]:
@@ -71,7 +71,7 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
             torch.set_rng_state(asked["rng"])
             if asked["cuda"] is not None and cuda_in_use():
                 torch.cuda.set_rng_state(asked["cuda"])
-            output = microscope.called(module, args, kwargs, asked["grad"], asked["autocast"])
+            output = microscope.called(module, args, kwargs, asked["grad"], asked["autocast"], forward)
             if not microscope.all_finite(floating_tensors(output)):
                 return True
             grad = asked["output_grad"]
@@ -83,21 +83,23 @@ def replica(detector: Detector, asked: dict[str, Any], params: list[torch.Tensor
         return f"the re-run on the peer raised {type(exc).__name__}: {exc}"
 
 
-def _root(detector: Detector, slot: int) -> torch.nn.Module | None:
+def _root(detector: Detector, slot: int) -> tuple[torch.nn.Module | None, Any]:
     """The model of a root's micro-batches: the one this rank's own forwards of it called (a DDP made
-    again during training: the new wrapper's), else the one it was attached as, if still there."""
+    again during training: the new wrapper's), else the one it was attached as, if still there; and
+    the forward it held as its own attribute then (``Context.forward``)."""
     log = detector.log
-    called = [c.module() for (s, *_), c in zip(log.batches, log.contexts) if s == slot and c.module is not None]
-    module = next((m for m in called if m is not None), None)
+    called = [(c.module(), c.forward) for (s, *_), c in zip(log.batches, log.contexts)
+              if s == slot and c.module is not None]
+    module, forward = next(((m, f) for m, f in called if m is not None), (None, None))
     if module is None and slot < len(detector.catalog.slots):
         module = detector.catalog.slots[slot].module()
-    return module
+    return module, forward
 
 
 def _weights(detector: Detector, slot: int) -> list[float] | None:
     """A fingerprint of a root's weights, alike on ranks whose replicas are the same (each parameter's
     sum in float64, read on the bad step only; NaN as the string "nan", which compares equal)."""
-    module = _root(detector, slot)
+    module, _ = _root(detector, slot)
     if module is None:
         return None
     with torch.no_grad():

@@ -361,14 +361,18 @@ class Context:
     grad: bool
     micro_batch: int = -1
     """the micro-batch it began (-1: a call of no micro-batch)"""
+    forward: Any = None
+    """the forward the module held as an attribute of its own then (Lightning's DDP strategy points a
+    LightningModule's ``forward`` at its ``training_step`` for the call), else None"""
 
     @classmethod
-    def now(cls, module: nn.Module | None, micro_batch: int = -1) -> Context:
+    def now(cls, module: nn.Module | None, micro_batch: int = -1, called: nn.Module | None = None) -> Context:
+        """``called``: the module whose forward runs (the model a DDP wraps), where not ``module``."""
         autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                          if torch.is_autocast_enabled(device)) if _any_autocast() else ()
         return cls(weakref.ref(module) if module is not None else None, _default_generator.clone_state(),
                    list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled(),
-                   micro_batch)
+                   micro_batch, (called if called is not None else module).__dict__.get("forward") if module is not None else None)
 
     @property
     def rng(self) -> dict[str, Any]:

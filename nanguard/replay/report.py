@@ -135,14 +135,18 @@ def _message(original: Event, event: Event | None, reproducible: bool, suspect: 
     if unfed:
         return (f"{found}, but {'; and '.join(unfed)}. The original {where} may have come from that, so this"
                 " replay says nothing of the hardware")
+    hardware = f"the hardware that ran it (host {suspect['host']}, device {suspect['device']}, rank {original.rank})"
     if event is None:
-        return (f"the step ran clean with the captured weights, batch and random state, so the "
-                f"original {where} did not recur: suspect a transient fault of the hardware that ran"
-                f" it (host {suspect['host']}, device {suspect['device']}, rank {original.rank}), or"
-                " non-determinism (atomics in kernels, inputs from outside the captured batch)")
-    return (f"the replay found a different first event ({event}) than the original {where}:"
-            f" suspect non-determinism or the hardware of host {suspect['host']}"
-            f" (device {suspect['device']}, rank {original.rank})")
+        return (f"the step ran clean with the captured weights, batch and random state, so the original {where}"
+                f" did not recur. Suspects, in order: {_SCRIPT_STATE}; then non-determinism (atomics in kernels,"
+                f" inputs from outside the captured batch); then a transient fault of {hardware}")
+    return (f"the replay found a different first event ({event}) than the original {where}. Suspects, in order:"
+            f" {_SCRIPT_STATE}; then non-determinism; then {hardware}")
+
+
+_SCRIPT_STATE = ("the script's own state, which a replay cannot give back: it runs the script from its own step 0,"
+                 " so code keyed on its loop counter or its rank (if step == 30 and rank == 1), on Python or numpy"
+                 " draws or on a global took another path here (key such code on guard.step)")
 
 
 def _suspect(incident: Incident, original: Event) -> dict[str, Any]:

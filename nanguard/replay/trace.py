@@ -37,7 +37,7 @@ class Trace:
         for module, name in plain_names(root, prefix).items():
             if name not in traced:  # a wrapper (DDP) and the model it wraps share one name
                 traced.add(name)
-                handles.append(module.register_forward_hook(untraced(self._forward_hook(name))))
+                handles.append(module.register_forward_hook(untraced(self._forward_hook(name)), with_kwargs=True))
         for param in root.parameters():
             if param.requires_grad:
                 handles.append(param.register_post_accumulate_grad_hook(
@@ -59,14 +59,14 @@ class Trace:
                                         "output": forensics.describe(bad)})
 
     def _forward_hook(self, name: str):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):  # (a module called by keyword, as transformers calls attention)
             outputs = floating_tensors(output)
             with self.quiet():
                 bad = next((t for t in outputs if not forensics.is_finite(t)), None)
                 if bad is not None and len(self.records["forward"]) < _TRACE_LIMIT:
                     self.record("forward", {
                         "module": name, "module_type": type(module).__name__, "micro_batch": self.micro_batch(name),
-                        "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors(args)),
+                        "inputs_finite": all(forensics.is_finite(t) for t in floating_tensors((args, kwargs))),
                         "output": forensics.describe(bad)})
             if torch.is_grad_enabled():
                 for tensor in outputs:

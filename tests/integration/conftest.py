@@ -43,7 +43,8 @@ def until(condition, what: str, timeout_s: float = 30.0, every_s: float = 0.1):
 
 
 def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
+    # (but the guard mode: a test of one mode, or a run of the suite in the other, sets it for its workers too)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_") or k == "NANGUARD_MODE"}
     env.update(
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",

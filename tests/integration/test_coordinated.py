@@ -53,6 +53,8 @@ def test_nan_on_rank_1_stops_both_ranks_and_shows_in_metrics(torchrun, coordinat
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank="1") == 1
     assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
     assert coordinator.wait_for("nanguard_incidents_total") == 1
+    status = coordinator.cli("status", "--coordinator", coordinator.address)  # says what /metrics counts
+    assert status.returncode == 0 and "(policy, counted as nonfinite)" in status.stdout, status.stdout + status.stderr
     # rank 0 saw no event of its own; both ranks reported progress
     assert coordinator.value("nanguard_nonfinite_events_total", kind="forward", rank="0") is None
     # the last heartbeat, sent when the guard closes, has the last step decided clean (4)

@@ -67,6 +67,21 @@ def test_a_freed_tensor_says_what_the_probe_knows_and_no_more():
     assert event.shape == (4, 2) and event.numel == 8 and "no element detail" in event.message
 
 
+def test_a_tensor_not_kept_is_not_said_to_lie_beyond_the_budget():
+    # let go after a clean forward (or made in a compiled graph): a small tensor under a large budget
+    # must not read "beyond the step's detail_mb budget"
+    import weakref
+
+    let_go = record(OUT, 1)
+    let_go.shape = torch.Size([1536])
+    event = first_bad(catalog("", "a"), log_of(let_go), reading(BAD_NAN), make).event
+    assert "was not kept" in event.message and "detail_mb" not in event.message
+    freed = record(OUT, 1)
+    freed.kept, freed.shape = weakref.ref(torch.ones(3)), torch.Size([3])  # (dead at once: freed)
+    event = first_bad(catalog("", "a"), log_of(freed), reading(BAD_NAN), make).event
+    assert "lay beyond the step's detail_mb budget" in event.message
+
+
 def test_a_huge_finite_tensor_reads_finite_and_is_not_blamed():
     # its float32 sum would overflow; its extremes cannot
     huge = torch.full((4,), 3e38)

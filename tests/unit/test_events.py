@@ -70,6 +70,15 @@ def test_an_event_of_the_root_module_names_the_model():
     assert event.where() == "non-finite output in the model (LM) at step 3, rank 0"
 
 
+@pytest.mark.parametrize("module_type, expected", [
+    ("GPT2LMHeadModel", "non-finite loss ('loss' in the output of the model (GPT2LMHeadModel)) at step 4, rank 0"),
+    ("", "non-finite loss ('loss' in the output of the model) at step 4, rank 0")])
+def test_a_checked_loss_a_model_returned_keeps_a_subject(module_type, expected):
+    # a loss event names no module after its kind: the field's phrase must not ask for one
+    event = Event(kind="loss", rank=0, step=4, layer="loss", module_type=module_type, output_field="loss")
+    assert event.where() == expected
+
+
 # --- what a re-run of the step said: reproduced, verdict, device ---------------------------------
 
 

@@ -38,6 +38,10 @@ def test_status_table():
     assert lines[4].split() == ["2", "node2", "40", "1.0", "s", "ago", "failed", "0", "0"]
     assert lines[5].startswith("stop: command abc (operator) at ") and lines[5].endswith(
         ": maintenance; acked by 1 of 3 rank(s)")
+    # a policy's stop says what /metrics counts it under (nanguard_stops_total{reason="nonfinite"})
+    policy = {**stop, "origin": "policy", "reason": "rank 1 stopped at step 4 (nonfinite)", "counted_as": "nonfinite"}
+    line = format_status({"job": "j", "ranks": ranks, "stop": policy}, now=1000.0).splitlines()[5]
+    assert line.startswith("stop: command abc (policy, counted as nonfinite) at ")
     assert format_status({"job": None, "ranks": [], "stop": None}, now=0).splitlines() == [
         "job: (none yet), 0 rank(s)", "rank  host  step  last seen  state  events  dropped", "stop: none"]
 

@@ -72,6 +72,18 @@ class Transient(nn.Module):
         return y
 
 
+class ByKeyword(nn.Module):
+    """Hands its child a NaN by keyword, as transformers hands its attention ``hidden_states=``: its own
+    code makes the NaN (a log of the tanh's negative outputs), the child only passes it on."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.inner(input=torch.log(x))
+
+
 def data(step: int, micro: int = 0, bad_sample_at: int | None = None, nan_at=None):
     gen = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randn(6, 8, generator=gen)
@@ -126,6 +138,15 @@ def assert_captured_before(err, before):
     for name, value in state.items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, expected[name]), f"{name} differs from the weights before step {err.event.step}"
+
+
+def test_the_replays_trace_reads_a_modules_keyword_inputs(monkeypatch):
+    before, err = train(ByKeyword(16))
+    assert err is not None and (err.event.layer, err.event.input_nonfinite) == ("2.inner", True), err.event
+    report = replay(monkeypatch, err.incident, ByKeyword(16))
+    assert report["verdict"] == "reproducible"
+    first = report["trace"]["0"]["forward"][0]
+    assert (first["module"], first["inputs_finite"]) == ("2.inner", False)  # not its producer: it was handed it
 
 
 def test_deterministic_bug_is_reproducible(monkeypatch, capsys):
@@ -213,6 +234,10 @@ def test_transient_fault_is_not_reproducible(monkeypatch, capsys, guard_mode):
     suspect = report["suspects"][0]
     assert suspect["rank"] == 0 and suspect["host"] == err.event.host and suspect["device"] == "cpu"
     assert "transient" in report["message"] and err.event.host in report["message"]
+    # the script's own state comes first among the suspects, the hardware last
+    message = report["message"]
+    assert message.index("the script's own state") < message.index("non-determinism") < message.index("hardware")
+    assert "key such code on guard.step" in message
     # inspect shows the verdict
     from nanguard.incident.report import main as inspect_main
 

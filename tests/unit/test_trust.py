@@ -803,6 +803,7 @@ def test_a_loss_the_model_returns_is_named_by_its_field(checked, guard_mode):
     assert event.output_field == "loss" and event.shape == () and "the value is nan" in str(event)
     if checked:
         assert event.kind == "loss" and event.layer == "loss" and "the model computed it" in event.message
+        assert str(event).startswith("non-finite loss ('loss' in the output of the model) at step 0")
     else:
         assert event.kind == "forward" and str(event).startswith("non-finite 'loss' in the output of the model")
 
@@ -1934,3 +1935,45 @@ def test_a_loss_event_carries_no_gradients_numbers():
     assert (event.kind, event.layer) == ("loss", "loss"), event
     assert (event.shape, event.numel, event.bad_count, event.first_index) == (None, None, None, None), event
     assert event.has_nan
+
+
+class StandardisesInPlace(nn.Module):
+    """Standardises its input in place, as some models do (``x.sub_(mean).div_(std)``): a constant
+    channel makes 0/0, a NaN its own code makes in the batch's own tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x.sub_(x.mean(0)).div_(x.std(0))
+        return self.lin(x)
+
+
+@pytest.mark.modes("sentinel", "full")
+@pytest.mark.parametrize("bad_step", [0, 2])
+def test_a_batch_the_forward_changes_in_place_is_not_blamed_on_the_data(bad_step, guard_mode):
+    torch.manual_seed(0)
+    model = StandardisesInPlace()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fed = []
+    with nanguard.init(model, optimizer), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == bad_step:
+                x[:, 1] = 3.0  # a constant channel: its standard deviation is 0
+            fed.append(x.clone())
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert torch.isfinite(fed[bad_step]).all() and event.step == bad_step  # (the oracle: the data was finite)
+    assert "already with NaN" not in event.message and "input batch of the model was already" not in event.message
+    if bad_step:  # the batch is held as copies once a step found it changed in place: judged as it was fed
+        assert (event.kind, event.layer, event.input_nonfinite) == ("forward", "lin", True), event
+        assert "in the forward code of the root module" in event.message
+        assert event.reproduced is True  # (the sentinel's re-run, and the full mode's, fed the copies)
+    elif guard_mode == "full":  # the batch's tensor itself was changed: not known as it was fed
+        assert (event.kind, event.layer) == ("forward", "lin") and "whether it came with NaN is not known" in event.message
+    else:  # nor can it be re-run
+        assert (event.kind, event.reproduced) == ("grad", None) and "changed in place after its forward began" in event.message
