@@ -25,7 +25,7 @@ from ..events import Event
 from ..protocol import FIRST_EVENT_ORDER
 from . import diagnose, forensics, microscope, peer
 from .backward import as_left, gradient_norms
-from .detector import Detector
+from .detector import Detector, optimizer_steps
 from .diagnose import Finding
 from .records import CHECK, OUT, Slots, StepLog, concat, stack
 
@@ -275,6 +275,8 @@ _RERAN = ("not reproduced: the microscope re-ran the step from memory on this de
 _TRANSIENT = _RERAN + "; nothing in the model is blamed for it"
 _TRANSIENT_SEEN = _RERAN + "; this step's probes saw it born here"
 _UNSEEN = "whether it is reproducible is not known: {}"
+_BACKWARD_FIRST = ("the microscope re-ran each micro-batch's backward pass apart: micro-batch {} was the first whose own"
+                   " gradients it made non-finite")
 
 
 def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Look, host: str,
@@ -297,6 +299,10 @@ def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Lo
         return replace(finding, position=None)
     if reproduced is None and look.missed:
         event.message = "; ".join(filter(None, (event.message, _UNSEEN.format("; ".join(look.missed)))))
+    if reproduced and event.kind == "grad" and event.micro_batch is None and look.backward_first is not None:
+        # each micro-batch's backward re-run apart: the first to make it is where it was born
+        event.micro_batch = look.backward_first
+        event.message = "; ".join(filter(None, (event.message, _BACKWARD_FIRST.format(look.backward_first))))
     return finding
 
 
@@ -395,7 +401,7 @@ class Decider:
                 gradients_too: bool = True) -> None:
         collectives = self.collectives if collective and self.collectives.active else None
         detector = self.detector
-        detector.optimizer_steps(optimizer)
+        optimizer_steps(detector, optimizer)
         owners, norms = self._gradients(optimizer) if gradients_too else ([], [])
         several = collectives is not None and collectives.world_size > 1
         later, applied = changed_gradients(owners, detector.log, several) if gradients_too else ([], [])

@@ -46,6 +46,7 @@ from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import ddp_inner, is_wrapper, plain_names, type_name, untraced
+from .patches import handed_to, watch_handed_weights
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Context, Probe, Slot, StepLog, gradless, version_of
 
 # Modules whose output is finite whenever their input is, for every finite input of every
@@ -163,10 +164,19 @@ class Detector:
         _hook_modules(self, names, root)
         if not self.registrations:  # what is added into these modules later is hooked too
             self.registrations += [register_module_module_registration_hook(_on_registration(self)),
-                                   register_module_parameter_registration_hook(_on_registration(self))]
+                                   register_module_parameter_registration_hook(_on_registration(self)),
+                                   watch_handed_weights(self)]
         self.backward.watch_collectives(root, names)
         _hook_root(self, root)
         return self._modules[root]
+
+    def handed(self, module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """A call of ``module`` runs with ``weights`` in the place of its own (``torch.func.functional_call``):
+        held by reference until the step's decision, so a report names a non-finite one (``MAX_PARTS`` calls)."""
+        log = self.log
+        if module in self._modules and torch.is_grad_enabled() and len(log.handed) < MAX_PARTS and not any(
+                map(_transformed, (t for t in weights.values() if isinstance(t, torch.Tensor)))):
+            log.handed.append((weakref.ref(module), dict(weights)))  # (inside vmap: nothing to read, nor keep)
 
     def detach(self) -> None:
         for handle in self._handles + self.registrations:
@@ -268,7 +278,8 @@ class Detector:
             held, held_kwargs, versions = self.feeds.hold(args, kwargs)
             log.batches.append((root_slot, held, held_kwargs, versions))
             if self.verdict:
-                log.contexts.append(Context.now(module, micro_batch, ddp_inner(module) if module is not None else None))
+                called = (ddp_inner(module) or module) if module is not None else None
+                log.contexts.append(Context.now(module, micro_batch, called, handed_to(called)))
             if self.feeds.copying:
                 self.mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
@@ -333,17 +344,6 @@ class Detector:
         """Probes made since the last decision."""
         return len(self.log.records)
 
-    def optimizer_steps(self, optimizer: object) -> None:
-        """An optimizer (None: no optimizer) steps: where no root forward ran in its step, the script calls
-        the model's parts itself (the model a wrapper held): their calls are held for the microscope from now on."""
-        if optimizer is not None and self.verdict and not self.parts and not self.log.spans:
-            alive = {slot.name: slot.module() for slot in self.catalog.slots}
-            # the roots' children, and a model whose wrapper was let go
-            parts = [child for root in self._root_slots if ddp_inner(root) is None for child in root.children()]
-            parts += [module for name, module in alive.items() if module is not None and "." in name
-                      and name.rsplit(".", 1)[0] in alive and alive[name.rsplit(".", 1)[0]] is None]
-            _hook_parts(self, parts)
-
     def reset(self, decided: bool = True) -> None:
         """Forget this step's probes: after a decision, or (``decided=False``) for the microscope's
         re-run to make them again."""
@@ -388,6 +388,18 @@ class Probes:
         for handle in self._handles:
             handle.remove()
         self._handles, self._hooks = [], []
+
+
+def optimizer_steps(detector: Detector, optimizer: object) -> None:
+    """An optimizer (None: no optimizer) steps: where no root forward ran in its step, the script calls
+    the model's parts itself (the model a wrapper held): their calls are held for the microscope from now on."""
+    if optimizer is not None and detector.verdict and not detector.parts and not detector.log.spans:
+        alive = {slot.name: slot.module() for slot in detector.catalog.slots}
+        # the roots' children, and a model whose wrapper was let go
+        parts = [child for root in detector._root_slots if ddp_inner(root) is None for child in root.children()]
+        parts += [module for name, module in alive.items() if module is not None and "." in name
+                  and name.rsplit(".", 1)[0] in alive and alive[name.rsplit(".", 1)[0]] is None]
+        _hook_parts(detector, parts)
 
 
 def let_go_clean(detector: Detector) -> None:

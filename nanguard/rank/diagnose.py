@@ -410,6 +410,7 @@ def _bad_state(log: StepLog, info: Slot | None, recurse: bool = True) -> str:
     if module is None:
         return ""
     params = [n for n, p in module.named_parameters(recurse=recurse) if not forensics.is_finite(p)]
+    params += _handed_bad(log, module, recurse)
     stale, negative = [], []
     for name, buffer in module.named_buffers(recurse=recurse):
         qualified = f"{info.name}.{name}".lstrip(".")
@@ -432,6 +433,23 @@ def _bad_state(log: StepLog, info: Slot | None, recurse: bool = True) -> str:
         f"buffer(s) {', '.join(stale)} were non-finite when the step began" if stale else "",
         f"buffer(s) {', '.join(negative)} held a variance at or below -eps when the step began (it divides"
         " by the square root of variance + eps: NaN below, zero at it)" if negative else "")))
+
+
+def _handed_bad(log: StepLog, module: torch.nn.Module, recurse: bool) -> list[str]:
+    """The non-finite weights of ``module`` (of its own, unless ``recurse``) that a call in this step ran
+    it with in the place of its own: handed to it, or to a module around it, by ``torch.func.functional_call``."""
+    found = []
+    for held, weights in log.handed:
+        owner = held()
+        prefix = next((name for name, m in owner.named_modules() if m is module), None) if owner is not None else None
+        if prefix is None:
+            continue
+        for key, tensor in weights.items():
+            name = key[len(prefix) + 1:] if prefix else key
+            if (not prefix or key.startswith(prefix + ".")) and (recurse or "." not in name) and isinstance(
+                    tensor, torch.Tensor) and tensor.is_floating_point() and not forensics.is_finite(tensor):
+                found.append(f"{name} (handed to the call by torch.func.functional_call)")
+    return list(dict.fromkeys(found))
 
 
 def _explain_output(log: StepLog, info: Slot, message: str | None) -> dict[str, Any]:

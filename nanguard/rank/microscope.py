@@ -66,7 +66,9 @@ class Look:
     root_type: str = ""
     """the type of the model re-run (what a transient in its forward is reported on)"""
     bad: list[int] = field(default_factory=list)
-    """the micro-batches whose re-run made a non-finite output or gradient"""
+    """the micro-batches (their forwards' indices) whose re-run made a non-finite output or gradient"""
+    backward_first: int | None = None
+    """the micro-batch whose backward re-run first made a non-finite gradient, of a finite output"""
     kept_outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     """the original forwards' outputs as kept (``StepLog.outputs``), by micro-batch"""
     diverged: bool = False
@@ -212,9 +214,11 @@ def untouched(detector: Detector) -> Iterator[None]:
 
 
 def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
-           autocast: tuple[tuple[str, torch.dtype], ...], forward: Any = None) -> Any:
+           autocast: tuple[tuple[str, torch.dtype], ...], forward: Any = None,
+           handed: dict[str, torch.Tensor] | None = None) -> Any:
     """``module(*args, **kwargs)`` under the grad mode and the autocasts a micro-batch's forward ran in,
-    with the ``forward`` it held as its own attribute then, if any (``Context.forward``)."""
+    with the ``forward`` it held as its own attribute then, if any (``Context.forward``), and the weights
+    it was handed in the place of its own (``Context.handed``)."""
     with ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad))
         for device, dtype in autocast:
@@ -223,6 +227,8 @@ def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
             stack.enter_context(_forward_as(module, forward))
         # eagerly: every module's probe sees its output exactly, where a compiled graph shows only
         # what its leaves return
+        if handed is not None:
+            return torch.func.functional_call(module, handed, args, kwargs)
         return eager(module)(*args, **kwargs)
 
 
@@ -260,7 +266,7 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
     args, kwargs = _fed(detector, args, kwargs, slot)
     detector.depth = 1
     try:
-        output = called(module, args, kwargs, context.grad, context.autocast, context.forward)
+        output = called(module, args, kwargs, context.grad, context.autocast, context.forward, context.handed)
     except Exception as exc:  # noqa: BLE001 - the script's model failed on its own batch again
         look.missed.append(f"micro-batch {forward}: its re-run raised {type(exc).__name__}: {exc}")
         return
@@ -283,6 +289,8 @@ def _rerun_one(detector: Detector, look: Look, forward: int, slot: int, args: tu
         log.mark_backward(False)
         log.span_ends[len(log.spans) - 1] = len(log.records)
         look.backward_bad = bad or bool(look.backward_bad)
+        if bad and look.backward_first is None:
+            look.backward_first = micro_batch
     if bad:
         look.bad.append(forward)
 
@@ -300,7 +308,8 @@ def _rerun_part(detector: Detector, look: Look, k: int, args: tuple, kwargs: dic
     rng_restore(context.rng)
     detector.depth = 0
     try:
-        output = called(module, *_copies(args, kwargs, copies), context.grad, context.autocast)
+        output = called(module, *_copies(args, kwargs, copies), context.grad, context.autocast, context.forward,
+                        context.handed)
     except Exception as exc:  # noqa: BLE001 - the script's module failed on its own input again
         look.missed.append(f"call {k + 1} of a model's part by the script: its re-run raised {type(exc).__name__}: {exc}")
         return

@@ -1,15 +1,59 @@
-"""The two places where the guard wraps someone else's callable, each with its undo.
+"""The three places where the guard wraps someone else's callable, each with its undo.
 
 - ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs the forward and
   backward inside the step, after the step pre-hook: the decision must wait for the closure.
 - A step that a GradScaler skips never calls ``optimizer.step()``, so the step pre-hook never
   decides it: the scaler's ``update()`` then has to.
+- ``torch.func.functional_call`` runs a module with weights it is handed (MAML's fast weights, a
+  hypernetwork's), put in the place of its own for the call by torch's
+  ``nn.utils.stateless._reparametrize_module``: the guard is told which (``handed_to``), so that a
+  report names a non-finite weight a module ran with whoever owns it, and a re-run runs with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
+
+import torch
+from torch.nn.utils import stateless
+
+_listeners: weakref.WeakSet = weakref.WeakSet()
+"""what is told of each call given weights (``Detector.handed``)"""
+_in_force: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+"""the calls given weights that are running, innermost last"""
+_reparametrize = stateless._reparametrize_module
+
+
+@contextmanager
+def _handing(module: torch.nn.Module, parameters_and_buffers: dict[str, torch.Tensor], *args: Any,
+             **kwargs: Any) -> Iterator[None]:
+    for listener in list(_listeners):
+        listener.handed(module, parameters_and_buffers)
+    entry = (module, parameters_and_buffers)
+    _in_force.append(entry)
+    try:
+        with _reparametrize(module, parameters_and_buffers, *args, **kwargs):
+            yield
+    finally:
+        _in_force.remove(entry)
+
+
+def watch_handed_weights(listener: Any) -> SimpleNamespace:
+    """Tell ``listener.handed(module, weights)`` of every call run with weights it is handed; returns a
+    handle whose ``remove()`` undoes it, as a hook's does. torch's function is wrapped once, for good:
+    with no listener the wrapper only passes through."""
+    stateless._reparametrize_module = _handing
+    _listeners.add(listener)
+    return SimpleNamespace(remove=lambda: _listeners.discard(listener))
+
+
+def handed_to(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The weights ``module`` runs with now in the place of its own, or None."""
+    return next((weights for held, weights in reversed(_in_force) if held is module), None) if _in_force else None
 
 
 def wrap_closure(args: tuple, kwargs: dict, after: Callable[[bool, Any], Any]) -> tuple[tuple, dict] | None:

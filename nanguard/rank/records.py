@@ -365,14 +365,19 @@ class Context:
     """the forward the module held as an attribute of its own then (Lightning's DDP strategy points a
     LightningModule's ``forward`` at its ``training_step`` for the call), else None"""
 
+    handed: dict[str, torch.Tensor] | None = None
+    """the weights it ran with in the place of its own (``torch.func.functional_call``), else None"""
+
     @classmethod
-    def now(cls, module: nn.Module | None, micro_batch: int = -1, called: nn.Module | None = None) -> Context:
+    def now(cls, module: nn.Module | None, micro_batch: int = -1, called: nn.Module | None = None,
+            handed: dict[str, torch.Tensor] | None = None) -> Context:
         """``called``: the module whose forward runs (the model a DDP wraps), where not ``module``."""
         autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                          if torch.is_autocast_enabled(device)) if _any_autocast() else ()
         return cls(weakref.ref(module) if module is not None else None, _default_generator.clone_state(),
                    list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled(),
-                   micro_batch, (called if called is not None else module).__dict__.get("forward") if module is not None else None)
+                   micro_batch, (called if called is not None else module).__dict__.get("forward") if module is not None else None,
+                   handed)
 
     @property
     def rng(self) -> dict[str, Any]:
@@ -427,6 +432,9 @@ class StepLog:
     references, for the microscope (``detector.MAX_PARTS`` a step at most)"""
     parts_over: int = 0
     """calls of the model's parts beyond ``MAX_PARTS`` in this step: not held, so not re-run"""
+    handed: list[tuple[weakref.ref, dict[str, torch.Tensor]]] = field(default_factory=list)
+    """(the module, the weights by name) of each call of a guarded module run with weights it was handed
+    (``torch.func.functional_call``), by reference (``detector.MAX_PARTS`` a step at most)"""
     outputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     """references to each root forward's floating outputs (with ``version_of``), by ``spans`` index,
     where they fit in the detail budget: whether the original forward made them non-finite is told
@@ -462,7 +470,7 @@ class StepLog:
     def clear(self) -> None:
         for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
                      self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated,
-                     self.contexts, self.parts, self.outputs, self.output_grads):
+                     self.contexts, self.parts, self.outputs, self.output_grads, self.handed):
             part.clear()
         self.value_slots.clear()
         self.evidence_slots.clear()

@@ -22,6 +22,7 @@ MAX_FRAMES = 4  # user frames kept per operation, innermost first
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DEMO = os.path.join(_NANGUARD_DIR, "demo.py")
 _PYTHON_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep
                       for key in ("stdlib", "platstdlib")})
 _ANOMALY_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>[^\n]+)\n'
@@ -35,7 +36,7 @@ def origin(filename: str) -> str:
     path = os.path.abspath(filename)
     if path.startswith(_TORCH_DIR):
         return TORCH
-    if path.startswith(_NANGUARD_DIR):
+    if path.startswith(_NANGUARD_DIR) and path != _DEMO:  # (the demo's model and loop stand in for a user's)
         return NANGUARD
     if path.startswith(_PYTHON_DIRS) and "site-packages" not in path and "dist-packages" not in path:
         return PYTHON

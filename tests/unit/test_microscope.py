@@ -428,3 +428,89 @@ def test_a_model_whose_wrapper_is_let_go_is_re_run_from_the_step_after(mode):
     event = err.event
     assert (event.step, event.kind, event.layer, event.module_type) == (2, "forward", "model.2", "Fault"), event
     assert (event.reproduced, event.verdict) == (True, "reproducible")
+
+
+def _maml_step(model, optimizer, x, poison: bool):
+    """One MAML-style step: an inner step's fast weights, then the outer loss through them by
+    torch.func.functional_call; ``poison``: one element of the fast weights of layer 2 is NaN."""
+    from torch.func import functional_call
+
+    params = dict(model.named_parameters())
+    inner = model(x).pow(2).mean()
+    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+    fast = {name: p - 0.1 * g for (name, p), g in zip(params.items(), grads)}
+    if poison:
+        fast["2.weight"] = fast["2.weight"] * torch.tensor([[float("nan")] + [1.0] * 7, [1.0] * 8])
+    functional_call(model, fast, (x,)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_weight_handed_to_a_call_is_named_and_re_run(mode):
+    # the weights a call ran with are not the module's own: a report must name them (whoever owns them),
+    # and the re-run must run with them, or it blames a transient of the hardware
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            _maml_step(model, optimizer, torch.randn(8, 4), poison=step == 2)
+    event = info.value.event
+    assert (event.step, event.kind, event.layer, event.micro_batch, event.input_nonfinite) == (2, "forward", "2", 1, False)
+    assert "weight (handed to the call by torch.func.functional_call) are non-finite" in event.message
+    assert (event.reproduced, event.verdict) == (True, "reproducible")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class HyperLinear(nn.Module):
+    """A hypernetwork: its own code makes a child's weight and runs the child with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.hyper = nn.Linear(4, 8 * 8)
+        self.child = nn.Linear(8, 8)
+
+    def forward(self, x, z):
+        from torch.func import functional_call
+
+        weight = self.hyper(z).view(8, 8).div(z.abs().sum() - 2.0)  # inf where the code sums to 2
+        return functional_call(self.child, {"weight": weight, "bias": self.child.bias}, (x,))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_a_hypernetwork_hands_its_child_is_named(mode):
+    torch.manual_seed(0)
+    model = HyperLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            z = torch.tensor([[0.5, 0.5, 0.5, 0.5 if step == 2 else 0.25]])  # sums to 2 at step 2
+            model(torch.randn(3, 8), z).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert (event.step, event.layer, event.input_nonfinite) == (2, "child", False), event
+    assert "weight (handed to the call by torch.func.functional_call) are non-finite" in event.message
+    assert event.reproduced is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_nan_of_one_micro_batch_is_given_its_micro_batch(mode):
+    # accumulation over 3 micro-batches, the backward of the marked one (2) makes NaN (keyed on the data):
+    # the gradients sum every micro-batch's, so only a re-run of each apart tells which one made it
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.register_forward_pre_hook(lambda module, args: setattr(module[3], "armed", bool((args[0] == MARK).any())))
+
+    def poison(module, args, out):  # the gradient flowing back into the marked micro-batch's output turns NaN
+        if module.armed and out.requires_grad:
+            out.register_hook(lambda grad: grad * float("nan"))
+
+    model[3].register_forward_hook(poison)
+    with nanguard.init(model, optimizer, mode=mode):
+        assert _run(model, optimizer, None, 2, micro_batches=3) is None
+        err = _run(model, optimizer, None, 1, micro_batches=3, mark=lambda k: k == 2)
+    event = err.event
+    assert (event.step, event.kind, event.micro_batch, event.reproduced) == (2, "grad", 2, True), event
+    assert "micro-batch 2 was the first whose own gradients it made non-finite" in event.message
