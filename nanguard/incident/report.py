@@ -102,7 +102,7 @@ def summary(incident: Incident) -> str:
         f"step         {data['step']}, world size {data['world_size']}, captured {data['created']}",
         f"first seen   by {where}",
         f"kind         {event.kind}",
-        f"layer        {event.layer or '-'}" + (f" ({event.module_type})" if event.module_type else ""),
+        f"layer        {event.layer or 'the model'}" + (f" ({event.module_type})" if event.module_type else ""),
         f"role         {_role(event)}",
         f"values       {event.detail()}",
     ]

@@ -246,18 +246,20 @@ def _from_extremes(record: Probe, pair: tuple[float, float]) -> dict[str, Any]:
 
 
 def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None], index: int,
-             stats: dict[str, Any]) -> dict[str, Any]:
+             stats: dict[str, Any], checked: bool = True) -> dict[str, Any]:
     record = log.records[index]
     fields: dict[str, Any] = {"micro_batch": log.micro_batch_of(index), **stats}
-    if record.role == CHECK or record.check is not None:
+    if checked and (record.role == CHECK or record.check is not None):
         name = catalog.check_name(record.slot if record.role == CHECK else record.check)
-        fields |= {"kind": "loss" if name == "loss" else "check", "layer": name}
+        kind = {"kind": "loss" if name == "loss" else "check", "layer": name}
         if record.role == CHECK:
-            return fields | {"micro_batch": None, "message": _join(_checked_first(log, index), fields.get("message"))}
+            return fields | kind | {"micro_batch": None, "message": _join(_checked_first(log, index), fields.get("message"))}
+        # a module's output the script checked (a model's own loss): what its probe says of it, kept
         owner = catalog.slots[record.slot]
         where = f"{record.field!r} of the output of {owner.name or 'the model'} ({owner.module_type})"
-        return fields | {"output_field": record.field, "message": _join(
-            f"the tensor checked as {name!r} is {where}: the model computed it", fields.get("message"))}
+        out = _explain(catalog, log, extremes, index, stats, checked=False)
+        return out | kind | {"message": _join(f"the tensor checked as {name!r} is {where}: the model computed it",
+                                              out.get("message"))}
     info = catalog.slots[record.slot]
     fields |= {"layer": info.name, "module_type": info.module_type, "output_field": record.field}
     if record.compiled:

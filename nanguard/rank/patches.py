@@ -48,7 +48,13 @@ def watch_handed_weights(listener: Any) -> SimpleNamespace:
     with no listener the wrapper only passes through."""
     stateless._reparametrize_module = _handing
     _listeners.add(listener)
-    return SimpleNamespace(remove=lambda: _listeners.discard(listener))
+    held = weakref.ref(listener)  # (the handle is the listener's own: no cycle back to it)
+
+    def remove() -> None:
+        if (alive := held()) is not None:
+            _listeners.discard(alive)
+
+    return SimpleNamespace(remove=remove)
 
 
 def handed_to(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -36,7 +36,7 @@ def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
     for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
         for entry in trace["forward"][:per_rank]:
             role = "producer" if entry["inputs_finite"] else "propagator"
-            lines.append(f"rank {rank} forward: {entry['module'] or '<root>'} ({entry['module_type']},"
+            lines.append(f"rank {rank} forward: {entry['module'] or 'the model'} ({entry['module_type']},"
                          f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
         for entry in trace["gradients"][:per_rank]:
             lines.append(f"rank {rank} backward: gradient of {entry['gradient_of']}: {_stats(entry)}")
@@ -103,8 +103,8 @@ def _by_rank(section: Any) -> list[tuple[str, Any]]:
 
 def operation(op: dict[str, Any]) -> str:
     """``aten::log in module 2 (LogM) at model.py:10 in forward: return torch.log(h); input min -0.5``."""
-    module = f"module {op['module'] or '<root>'} ({op['module_type']})" if op.get("module_type") \
-        else "code outside the model's modules"
+    module = "code outside the model's modules" if not op.get("module_type") else \
+        f"module {op['module']} ({op['module_type']})" if op["module"] else f"the model ({op['module_type']})"
     text = f"{op['op']} in {module}, micro-batch {op['micro_batch']}"
     if op["phase"] == "backward":
         text += f", backward node {op['node']}"

@@ -205,8 +205,8 @@ class Runner:
         """the most floating outputs a run's forward returned"""
 
     def ran_names(self) -> dict[nn.Module, str]:
-        """The modules called in the runs so far, by name (the root's: ``<root>``)."""
-        return {m: n or "<root>" for m, n in self.modules.items() if m in self.ran}
+        """The modules called in the runs so far, by name (the root's: "the model")."""
+        return {m: n or "the model" for m, n in self.modules.items() if m in self.ran}
 
     def run(self, batch: Mapping[str, Any], backward: bool) -> str:
         """CLEAN, FORWARD (a module's output was non-finite), BACKWARD (a parameter's gradient),

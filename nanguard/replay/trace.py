@@ -80,7 +80,7 @@ class Trace:
         def hook(grad):
             with self.quiet():
                 if len(self.records["gradients"]) < _TRACE_LIMIT and not forensics.is_finite(grad):
-                    self.record("gradients", {"gradient_of": f"output of {name or '<root>'}",
+                    self.record("gradients", {"gradient_of": f"output of {name or 'the model'}",
                                               "micro_batch": self.micro_batch(name), **forensics.describe(grad)})
             return None
 

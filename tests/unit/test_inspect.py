@@ -36,6 +36,15 @@ def test_propagator(tmp_path):
     assert "propagator: its inputs were already non-finite" in inspect.summary(read_incident(path))
 
 
+def test_the_root_module_is_called_the_model(tmp_path):
+    # one name for the model's own output in every line of an incident (the live message says "the model")
+    path = capture.new_incident_dir(str(tmp_path), "r")
+    record = capture.write_rank(path, 0, **rank_inputs(0))
+    capture.finalize(path, world_size=1, step=7, first_event=first_event(rank=0, layer="", module_type="TinyLM"),
+                     rank_records=[record], capture_batch=True, sharded=None)
+    assert "layer        the model (TinyLM)" in inspect.summary(read_incident(path))
+
+
 def test_json_is_one_object_with_the_contract_keys(tmp_path, capsys):
     path, _ = make_incident(tmp_path)
     assert inspect.main([path, "--json"]) == 0
