@@ -15,6 +15,7 @@ Prints, per checkout, the median over rounds of (its step time / plain's) and th
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import shutil
 import statistics
@@ -42,6 +43,15 @@ def variant(name: str, module, settings: dict[str, str]) -> overhead.Variant:
     return overhead.Variant(name, attach)
 
 
+def _literal(text: str) -> object:
+    """A setting's value as init takes it: a number or a boolean where it reads as one (detail_mb=0), else text."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, (int, float, bool)) else text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp", choices=sorted(overhead.MODELS))
@@ -59,8 +69,8 @@ def main() -> None:
         for item in args.repo:
             name, _, rest = item.partition("=")
             path, *pairs = rest.split(",")
-            settings = dict(pair.partition("=")[::2] for pair in pairs)
-            if not name.isidentifier() or not (Path(path) / "nanguard").is_dir() or not all(settings.values()):
+            settings = {key: _literal(value) for key, value in (pair.partition("=")[::2] for pair in pairs)}
+            if not name.isidentifier() or not (Path(path) / "nanguard").is_dir() or "" in settings.values():
                 parser.error(f"--repo {item!r}: expected NAME=PATH[,SETTING=VALUE...], PATH a checkout with a"
                              " nanguard/ folder")
             variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)), settings)
