@@ -141,8 +141,10 @@ def _samples(start: int, stop: int) -> str:
 def _micro_batch(entry: dict[str, Any]) -> str:
     outcome = entry["outcome"]
     if outcome in ("clean", "capped", "error", None):
-        return {"clean": "clean when run again alone (every module's output, and the parameters' gradients"
-                         " of a backward of ones into the model's outputs)",
+        return {"clean": "clean under the search's own check when run again alone (every module's output, and"
+                         " the parameters' gradients of a backward of ones into the model's outputs, not of the"
+                         " step's loss: a NaN born in the loss's gradient, or in the script's code outside the"
+                         " model, is not made again there; the replay's verdict above is the step's own)",
                 "capped": "not run: the cap of runs was reached"}.get(outcome, entry.get("note") or "not run")
     bad = entry["bad"]
     text = f"bad in {outcome} when run again alone (checked: {entry['checked']})"

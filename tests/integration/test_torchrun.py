@@ -102,6 +102,8 @@ def test_the_sentinel_names_what_the_full_mode_names_and_the_re_run_reproduces_i
     for name in ("step", "rank", "kind", "layer", "module_type", "micro_batch", "input_nonfinite"):
         assert full[name] == sentinel[name], (name, full, sentinel)
     assert (sentinel["kind"], sentinel["layer"], sentinel["rank"]) == (kind, layer, 1)
+    if accum > 1:  # under no_sync too, a backward-born NaN is given its micro-batch (each one's backward re-run apart)
+        assert sentinel["micro_batch"] == micro, sentinel
     assert (sentinel["reproduced"], sentinel["verdict"], sentinel["device"]) == (True, verdict, "cpu"), sentinel["message"]
     said = {"device": "clean when re-run on rank 0's device", "reproducible": "bad again when re-run on rank 0's"}
     if fault == "weight":

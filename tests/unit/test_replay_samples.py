@@ -363,3 +363,14 @@ def test_a_backward_into_every_output_names_suspects_only():
     known = samples.search(TwoHeads(), [batch], rng, key="index", skipped=set(), outputs=[0])
     (entry,) = known["micro_batches"]
     assert entry["bad"] == [3] and entry["ids"] == [103] and entry["suspects"] == []
+
+
+def test_a_clean_search_says_its_check_is_not_the_steps_own():
+    # a micro-batch the replay reproduced can run clean under the search's backward of ones (a NaN born
+    # in the loss's gradient): the line must not read as if the step itself ran clean
+    from nanguard.replay.render import sample_lines
+
+    found = {"searched": True, "micro_batches": [{"micro_batch": 0, "outcome": "clean", "unresolved": []}],
+             "runs": 1, "max_runs": 64, "capped": False}
+    (line, _) = sample_lines(found)
+    assert line.startswith("micro-batch 0: clean under the search's own check") and "not of the step's loss" in line
