@@ -254,10 +254,9 @@ def _explain(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] 
         kind = {"kind": "loss" if name == "loss" else "check", "layer": name}
         if record.role == CHECK:
             return fields | kind | {"micro_batch": None, "message": _join(_checked_first(log, index), fields.get("message"))}
-        # a module's output the script checked (a model's own loss): what its probe says of it, kept
         owner = catalog.slots[record.slot]
         where = f"{record.field!r} of the output of {owner.name or 'the model'} ({owner.module_type})"
-        out = _explain(catalog, log, extremes, index, stats, checked=False)
+        out = _explain(catalog, log, extremes, index, stats, checked=False)  # (what the probes knew, kept)
         return out | kind | {"message": _join(f"the tensor checked as {name!r} is {where}: the model computed it",
                                               out.get("message"))}
     info = catalog.slots[record.slot]
