@@ -340,14 +340,18 @@ def _bad_input(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float
     return _bad_batch(catalog, log, index)
 
 
+def _batch_of(log: StepLog, index: int) -> tuple[int | None, list[Probe]]:
+    """(root slot, BATCH records) of the forward that made probe ``index``."""
+    start, root = next(((s[0], s[1]) for s in reversed(log.spans) if s[0] <= index), (0, None))
+    return root, [log.records[k] for k in range(start, index) if log.records[k].role == BATCH]
+
+
 def _bad_batch(catalog: Catalog, log: StepLog, index: int) -> tuple[bool | None, torch.Tensor | None, str] | None:
     """``_bad_input`` of the batch of the forward that made probe ``index``, checked exactly now."""
-    start, root = next(((s[0], s[1]) for s in reversed(log.spans) if s[0] <= index), (0, None))
+    root, batch = _batch_of(log, index)
     found, unchecked = None, False
-    for k in range(start, index):
-        if log.records[k].role != BATCH:
-            continue
-        tensor = log.records[k].tensor()
+    for record in batch:
+        tensor = record.tensor()
         unchecked = unchecked or tensor is None
         if tensor is not None and not forensics.is_finite(tensor):
             nan = bool(torch.isnan(forensics.plain(tensor)).any())
@@ -369,8 +373,7 @@ def _batch_as_fed(log: StepLog, index: int) -> str | None:
     """The batch of the forward that made probe ``index`` as it was fed: "finite" (a copy held as its
     forward began, or a tensor unchanged since, checked exactly now), "changed" (changed in place
     since: its forward, or the script, wrote it), else None (non-finite, freed, or no batch held)."""
-    start = next((s[0] for s in reversed(log.spans) if s[0] <= index), 0)
-    records = [log.records[k] for k in range(start, index) if log.records[k].role == BATCH]
+    _, records = _batch_of(log, index)
     if any(r.held() is not None and r.tensor() is None for r in records):
         return "changed"
     batch = [r.tensor() for r in records]
@@ -445,10 +448,11 @@ def _handed_bad(log: StepLog, module: torch.nn.Module, recurse: bool) -> list[st
         prefix = next((name for name, m in owner.named_modules() if m is module), None) if owner is not None else None
         if prefix is None:
             continue
+        lead = f"{prefix}." if prefix else ""
         for key, tensor in weights.items():
-            name = key[len(prefix) + 1:] if prefix else key
-            if (not prefix or key.startswith(prefix + ".")) and (recurse or "." not in name) and isinstance(
-                    tensor, torch.Tensor) and tensor.is_floating_point() and not forensics.is_finite(tensor):
+            name = key[len(lead):]
+            if key.startswith(lead) and (recurse or "." not in name) and isinstance(tensor, torch.Tensor) and (
+                    tensor.is_floating_point() and not forensics.is_finite(tensor)):
                 found.append(f"{name} (handed to the call by torch.func.functional_call)")
     return list(dict.fromkeys(found))
 

@@ -130,8 +130,10 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     unpropagated = set(log.unpropagated)
     outputs, output_grads = dict(log.outputs), dict(log.output_grads)
     first = log.spans[0][0] if log.spans else len(log.records)
-    checks = [(record.held(), record.slot, _place(record.held(), outputs), index < first)
-              for index, record in enumerate(log.records) if record.role == CHECK]
+    checks: tuple[list, list] = ([], [])  # (made before the step's first forward, after it)
+    for index, record in enumerate(log.records):
+        if record.role == CHECK:
+            checks[index >= first].append((record.held(), record.slot, _place(record.held(), outputs)))
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
@@ -157,18 +159,19 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
 
 
 def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_grads: dict,
-               params: list[torch.Tensor], checks: list) -> None:
-    """Each micro-batch again, then the original checks (a loss the model returned: its re-run's)."""
+               params: list[torch.Tensor], checks: tuple[list, list]) -> None:
+    """Each micro-batch again, the original checks in their place, before the forwards or after them (a
+    loss the model returned: its re-run's)."""
     log = detector.log
     parts = carried["parts"]
     names = {index: name for name, index in detector.catalog.check_names.items()}
-    _recheck(detector, look, [check for check in checks if check[3]], names)  # (in their place: before any forward)
+    _recheck(detector, look, checks[0], names)
     begun = len(log.values)
     for forward, ((slot, args, kwargs, versions), context) in enumerate(zip(carried["batches"],
                                                                             carried["contexts"])):
         if context.module is None and any(part[0] == forward for part in parts):
             # a micro-batch the script began itself (Guard.begin_micro_batch) is its calls of the model's parts
-            log.spans.append((len(log.records), slot, sum(1 for span in log.spans if span[1] == slot)))
+            log.spans.append((len(log.records), slot, context.micro_batch))
             copies: dict[int, torch.Tensor] = {}  # (a part given a tensor of the batch is given its copy)
             _fed(detector, args, kwargs, slot, copies)
             for k, part in enumerate(parts):
@@ -182,12 +185,12 @@ def _rerun_all(detector: Detector, look: Look, carried: dict[str, list], output_
         if part[0] < 0 or part[0] >= len(carried["batches"]):
             _rerun_part(detector, look, k, *part[1:])
     look.forward_values = (begun, len(log.values))
-    _recheck(detector, look, [check for check in checks if not check[3]], names)
+    _recheck(detector, look, checks[1], names)
 
 
 def _recheck(detector: Detector, look: Look, checks: list, names: dict[int, str]) -> None:
     """The step's checks again, of the tensors they were given (a loss the model returned: its re-run's)."""
-    for tensor, index, place, _ in checks:
+    for tensor, index, place in checks:
         if place is not None and place[0] in look.outputs and place[1] < len(look.outputs[place[0]]):
             tensor = look.outputs[place[0]][place[1]]
         if tensor is not None and index in names:
@@ -225,10 +228,10 @@ def called(module: torch.nn.Module, args: tuple, kwargs: dict, grad: bool,
             stack.enter_context(torch.autocast(device, dtype=dtype))
         if forward is not None:
             stack.enter_context(_forward_as(module, forward))
-        # eagerly: every module's probe sees its output exactly, where a compiled graph shows only
-        # what its leaves return
         if handed is not None:
             return torch.func.functional_call(module, handed, args, kwargs)
+        # eagerly: every module's probe sees its output exactly, where a compiled graph shows only
+        # what its leaves return
         return eager(module)(*args, **kwargs)
 
 
@@ -355,9 +358,8 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
                  params: list[torch.Tensor], alone: bool = False) -> bool:
     """The re-run's backward pass from its output, fed the gradient the original's output received:
-    whether it made a parameter's gradient non-finite (read into no ``.grad``; where reentrant
-    checkpointing needs a backward into ``.grad``, and the model is ``alone``, with no DDP reducer
-    listening on its parameters, into ``.grad`` for a moment, the step's own put back after)."""
+    whether it made a parameter's gradient non-finite (``_gradients``; ``alone``: no DDP reducer listens
+    on the parameters)."""
     at, grad = output_grad
     tensors = floating_tensors(output)
     wanted = [p for p in params if p.requires_grad]
@@ -365,21 +367,24 @@ def backward_bad(look: Look, output: Any, output_grad: tuple[int, torch.Tensor],
         look.missed.append("a backward pass: the re-run's output differs from the original's")
         return False
     try:
-        try:
-            grads = torch.autograd.grad(tensors[at], wanted, grad_outputs=grad, allow_unused=True, retain_graph=alone)
-        except RuntimeError as exc:
-            if not (alone and "use_reentrant=True" in str(exc)) or any(
-                    getattr(p, "_post_accumulate_grad_hooks", None) for p in wanted):
-                raise
-            grads = _into_grad(tensors[at], wanted, grad)
+        grads = _gradients(tensors[at], wanted, grad, alone)
     except RuntimeError as exc:
         look.missed.append(f"a backward pass: its re-run raised {exc}")
         return False
     return not all_finite([g for g in grads if g is not None])
 
 
-def _into_grad(output: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor | None]:
-    """``output.backward(grad)`` into the parameters' ``.grad``, which hold the step's own again after."""
+def _gradients(output: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor,
+               alone: bool) -> list[torch.Tensor | None]:
+    """The parameters' gradients of ``output`` fed ``grad``, by ``torch.autograd.grad``; which reentrant
+    checkpointing refuses: then, ``alone``, by ``output.backward(grad)`` into ``.grad``, which holds the step's
+    own again after (not where a hook listens on a parameter's accumulation)."""
+    try:
+        return list(torch.autograd.grad(output, params, grad_outputs=grad, allow_unused=True, retain_graph=alone))
+    except RuntimeError as exc:
+        if not (alone and "use_reentrant=True" in str(exc)) or any(
+                getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+            raise
     saved = [p.grad for p in params]
     try:
         for p in params:

@@ -364,7 +364,6 @@ class Context:
     forward: Any = None
     """the forward the module held as an attribute of its own then (Lightning's DDP strategy points a
     LightningModule's ``forward`` at its ``training_step`` for the call), else None"""
-
     handed: dict[str, torch.Tensor] | None = None
     """the weights it ran with in the place of its own (``torch.func.functional_call``), else None"""
 
@@ -374,10 +373,10 @@ class Context:
         """``called``: the module whose forward runs (the model a DDP wraps), where not ``module``."""
         autocast = tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                          if torch.is_autocast_enabled(device)) if _any_autocast() else ()
+        runs = called if called is not None else module
         return cls(weakref.ref(module) if module is not None else None, _default_generator.clone_state(),
                    list(torch.cuda.get_rng_state_all()) if cuda_in_use() else [], autocast, torch.is_grad_enabled(),
-                   micro_batch, (called if called is not None else module).__dict__.get("forward") if module is not None else None,
-                   handed)
+                   micro_batch, runs.__dict__.get("forward") if runs is not None else None, handed)
 
     @property
     def rng(self) -> dict[str, Any]:
