@@ -70,7 +70,7 @@ def build_manifest(incident_dir: str, *, world_size: int, step: int, first_event
         "ranks": sorted((dict(r) for r in rank_records), key=lambda r: r.get("rank", -1)),
         "capture_batch": capture_batch,
         "sharded": sharded,
-        "notes": dict(notes or {}),
+        "notes": {str(key): str(value) for key, value in (notes or {}).items()},  # (text: what a reader takes)
         "replay": None,
     }
 
@@ -164,6 +164,9 @@ def _check_structure(path: str, manifest: Any) -> list[dict[str, Any]]:
         raise IncidentError(path, f"first_event is not a valid event ({exc})") from exc
     records = [_check_record(path, record, k, manifest["capture_batch"])
                for k, record in enumerate(manifest["ranks"])]
+    notes = manifest["notes"]
+    if notes is not None and not all(isinstance(key, str) and isinstance(value, str) for key, value in notes.items()):
+        raise IncidentError(path, "field 'notes' does not map names to text; the manifest is damaged")
     replay = manifest["replay"]
     if replay is not None and (replay.get("file") != REPLAY or replay.get("verdict") not in VERDICTS):
         raise IncidentError(path, "field 'replay' does not point at replay.json with a known verdict; "

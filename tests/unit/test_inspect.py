@@ -83,3 +83,20 @@ def test_bad_incident_is_one_error_line(tmp_path, capsys):
     empty.mkdir()
     assert inspect.main([str(empty)]) == 2
     assert "incomplete: no manifest.json" in capsys.readouterr().err
+
+
+def test_notes_that_are_not_text_are_refused(tmp_path):
+    # found by the manifest fuzz run longer than CI: {"notes": {"": Infinity}} was read, then made --json fail
+    import pytest
+
+    from nanguard.errors import IncidentError
+
+    path, _ = make_incident(tmp_path)
+    manifest_path = os.path.join(path, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["notes"] = {"": float("inf")}
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(IncidentError, match="'notes' does not map names to text"):
+        read_incident(path)
