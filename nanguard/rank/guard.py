@@ -25,7 +25,7 @@ from ..errors import ConfigError, GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
 from ..replay import Replay, StepObserver, watch_exit
-from . import resume
+from . import ending, resume
 from .decision import Decider, StepClock
 from .detector import Detector
 from .records import StepLog
@@ -450,6 +450,8 @@ def init(model: nn.Module | None = None,
     guard = Guard(model, optimizers, settings, on_stop, states, observer)
     if model is None:
         REGISTRY.claim_process(guard)
+    # until it closes, an uncaught stop ends the rank with one line and torchrun's error file
+    guard._undo.append(ending.hold())
     if observer is not None:
         watch_exit(observer)
     return guard

@@ -1,0 +1,45 @@
+"""A script as a user first writes it: DDP (gloo) with ``nanguard.init(model, optimizer)`` and no
+``except``, so the NonFiniteError of a NaN born on ``--fault-rank`` ends every rank; torchrun's
+summary then says what happened. ``--other`` raises a ValueError on that rank instead."""
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import nanguard
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=2)
+    parser.add_argument("--other", action="store_true", help="a ValueError of the script's own instead")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    nanguard.init(model, optimizer)
+    for step in range(args.fault_step + 3):
+        x = torch.randn(4, 8)
+        if step == args.fault_step and rank == args.fault_rank:
+            if args.other:
+                raise ValueError(f"the script's own error on rank {rank}")
+            x[0, 0] = float("nan")
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    nanguard.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
