@@ -5,6 +5,8 @@
     ranks.py     RankTable: the job incarnation served, its ranks bound to their sessions, who is
                  alive, dead, failed or stalled (monotonic clock)
     stop.py      StopFanout: the job's one stop command, sent to every rank until it acks
+    replay.py    ReplayMemory: each sender's last seq, operators, ranks and guests in tables of
+                 their own (a flood of new names cannot make an operator's message playable again)
     eventlog.py  EventLog: every accepted message as a JSON line, and the thread that fsyncs them
     clock.py     Instant: the wall clock (shown, logged) and the monotonic one (durations), read
                  together; LoopClock leaves out the time the process did not run

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import start_http_server
@@ -34,6 +35,8 @@ TRANSIENT_PAIRS_PER_RANK = 4
 TRANSIENT_PAIRS_UNKNOWN_WORLD = 4096
 """the pairs kept when no world size is known"""
 OTHER = "other"
+DROP_REASONS = ("full", "gone")
+"""why a message to a peer was dropped unsent (``nanguard_replies_dropped_total{reason}``)"""
 """the host and device label values the pairs past the cap are counted under"""
 
 log = logging.getLogger("nanguard.coordinator")
@@ -91,9 +94,22 @@ class Metrics:
             self.stops.labels(reason)
         for reason in BAD_MESSAGE_REASONS:
             self.bad_reasons.labels(reason)
+        self._own_health(counter)
         self._incident_ids: set[str] = set()
         self._dropped_seen: dict[int, int] = {}
         self._transient_pairs: set[tuple[str, str]] = set()
+
+    def _own_health(self, counter: Callable[[str, str, tuple[str, ...]], Counter]) -> None:
+        """The series of the coordinator's own troubles (what it could not send, log or keep)."""
+        self.replies_dropped = counter(
+            "nanguard_replies_dropped_total", "Messages to a peer (replies, stop copies) dropped unsent: its "
+            "queue was full as it does not read (full), or its connection was gone (gone)", ("reason",))
+        for reason in DROP_REASONS:
+            self.replies_dropped.labels(reason)
+        self._said_full = False
+        self.log_errors = counter(
+            "nanguard_log_errors_total", "Failed writes, syncs and rotations of the event log and the state "
+            "file (the coordinator goes on; the lines of a failed write are not in the log)", ())
 
     def events(self, counts: dict[tuple[str, int], int], evaluation: bool = False) -> None:
         """Add one batch's events, counted by (kind, rank); ``evaluation``: an evaluation's."""
@@ -127,6 +143,19 @@ class Metrics:
             raise ValueError(f"bad-message reason {reason!r} is not one of {', '.join(BAD_MESSAGE_REASONS)}")
         self.bad_messages.inc()
         self.bad_reasons.labels(reason).inc()
+
+    def replies_dropped_now(self, *, full: int, gone: int) -> None:
+        """Messages dropped unsent: ``full`` to peers that do not read (said once, in the log too),
+        ``gone`` to connections that closed (a dead rank's stop copies: normal)."""
+        if full:
+            self.replies_dropped.labels("full").inc(full)
+            if not self._said_full:
+                self._said_full = True
+                log.warning("a peer does not read what the coordinator sends it: what is sent past the few "
+                            "messages queued per connection is dropped and counted in "
+                            "nanguard_replies_dropped_total{reason=\"full\"} (said once)")
+        if gone:
+            self.replies_dropped.labels("gone").inc(gone)
 
     def incident(self, path: str) -> None:
         """A rank captured into ``path``; every rank of one incident names the same folder."""

@@ -30,13 +30,14 @@ from prometheus_client import CollectorRegistry
 from .. import __version__, curve
 from ..errors import ProtocolError
 from ..protocol import check_curve_key, parse_address
-from ..wire import MAX_BYTES, Codec, Message, ReplayFilter
+from ..wire import MAX_BYTES, Codec, Message
 from .clock import Instant, LoopClock, require_positive
 from .eventlog import EventLog
-from .handlers import Handlers
+from .handlers import RANK_TYPES, Handlers
 from .metrics import Metrics
 from .policy import Policy
 from .ranks import DEFAULT_MAX_WORLD_SIZE, RankTable
+from .replay import OPERATOR, RANK, ReplayMemory
 from .stop import StopFanout
 
 log = logging.getLogger("nanguard.coordinator")
@@ -44,6 +45,10 @@ log = logging.getLogger("nanguard.coordinator")
 _DRAIN = 256
 """messages handled between two looks at the clock-driven work (timers, log flush)"""
 _RCVHWM = 4
+SNDHWM = 8
+"""messages queued for one connection that does not read them (a status reply is up to 5 MiB at
+16,384 ranks); past it what is sent to that peer is dropped and counted
+(``nanguard_replies_dropped_total``). A rank gets only a welcome and the stop's copies."""
 _TICK_S = 0.5
 """how often liveness is recomputed"""
 _BAD_LOG_S = 10.0
@@ -88,7 +93,7 @@ class Coordinator:
         """the bound address, with the real port, once started"""
         self._context = context or zmq.Context.instance()
         self._curve_secret_key = curve_secret_key
-        self._replay = ReplayFilter()
+        self._replay = ReplayMemory()
         self._clock = LoopClock()
         ranks = RankTable(self.metrics, job=job, max_world_size=max_world_size, dead_after_s=dead_after_s,
                           stall_after_s=stall_after_s)
@@ -198,6 +203,10 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a bug must cost one message, not the daemon
             self._bad.internal(identity, at)
         else:
+            if message.role == "operator" or message.type == "stop_request":
+                self._replay.trust(message, OPERATOR)
+            elif message.type in RANK_TYPES:
+                self._replay.trust(message, RANK)
             self._log.append(at.wall, message.payload)
 
     def _sync_soon(self) -> None:
@@ -219,13 +228,29 @@ class Coordinator:
         self._send([(identity, frames)])
 
     def _send(self, messages: Sequence[tuple[bytes, list[bytes]]]) -> None:
+        """Send each message without waiting: one for a peer whose queue is full (it does not read)
+        or whose connection is gone is dropped and counted."""
         # the fan-out's cost is this loop: plain sends, no list per rank (send_multipart's)
-        send, more = self._socket.send, zmq.SNDMORE
+        send, first, more = self._socket.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.SNDMORE
+        full = gone = 0
         for routing_id, frames in messages:
-            send(routing_id, more)
+            try:
+                # ROUTER_MANDATORY: the routing id is refused (queue at SNDHWM, or no such
+                # connection) or the whole message is queued; the later frames never block
+                send(routing_id, first)
+            except zmq.Again:
+                full += 1
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                gone += 1
+                continue
             for frame in frames[:-1]:
                 send(frame, more)
             send(frames[-1])
+        if full or gone:
+            self.metrics.replies_dropped_now(full=full, gone=gone)
 
 
 def _router(context: zmq.Context, bind: str, curve_secret_key: str | None) -> tuple[zmq.Socket, str]:
@@ -239,6 +264,8 @@ def _router(context: zmq.Context, bind: str, curve_secret_key: str | None) -> tu
         # messages held per rank before TCP pushes back on it: bounds memory when many
         # ranks flood at once (the ranks' own queues then fill and count what they drop)
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         if curve_secret_key is not None:
             curve.serve(sock, curve_secret_key)
