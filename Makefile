@@ -6,12 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench tools clean
+.PHONY: demo test docs bench tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning,realworld,plot]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lightning,realworld,plot,docs]'
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt timm  # without torchvision (pyproject.toml says why)
 	touch $(STAMP)
 
@@ -24,6 +24,10 @@ test: $(STAMP)
 # Debian's prometheus, alertmanager and shellcheck, which the deploy tests run (root, apt-get)
 tools:
 	.ci/install-tools
+
+# the documentation site (mkdocs-material) into site/; --strict fails on a dead link or page
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
