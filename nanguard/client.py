@@ -6,7 +6,9 @@ never blocking, never failing when the coordinator is down, late, gone or hostil
 itself). On every new connection it sends a ``handshake``; the coordinator's ``welcome`` names
 its instance, which every later message is addressed to, starting with this rank's ``hello``.
 Then it sends the queued events in batches, a ``heartbeat`` every ``heartbeat_s``, and acks the
-coordinator's ``stop`` commands, handing each new one to ``on_stop``. Events that cannot be queued
+coordinator's ``stop`` commands, handing each new one to ``on_stop``. A coordinator that has not
+welcomed this rank for a few heartbeats (not running, another token or CurveZMQ key) is said once,
+on the log, with the likely causes, and its return once more (``Silence``). Events that cannot be queued
 or sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
 thread: a bad message is dropped (and logged, at most once a minute per kind), and an unexpected
 error is logged with its traceback and the thread goes on. No torch, no prometheus_client.
@@ -44,6 +46,8 @@ _MAX_REMEMBERED_COMMANDS = 64
 _WARN_EVERY_S = 60.0
 _HANDSHAKE_EVERY_S = 1.0
 """how often an unanswered handshake is sent again (the welcome can be lost while reconnecting)"""
+_SILENT_TURNS = 3
+"""the link is said to be down after this many heartbeats (or handshakes, if longer) unanswered"""
 _RETRY_SOCKET_S = 5.0
 """how long the thread waits before making a new socket after ZeroMQ failed on the last one"""
 
@@ -262,6 +266,52 @@ class _Sender:
         return True
 
 
+class Silence:
+    """Says when the coordinator has not answered for a while, and when it answers again.
+
+    The link is up from the coordinator's ``welcome`` until a disconnect. Down for ``after_s`` (the
+    process starting counts as down), it is said once, with the likely causes; when the link comes
+    back after that, once more. The client thread asks; nothing here touches a socket.
+    """
+
+    def __init__(self, address: str, after_s: float, now: float):
+        self.address, self.after_s = address, after_s
+        self._since: float | None = now
+        """when the link went down, or None while it is up"""
+        self._said = False
+
+    def down(self, now: float) -> None:
+        if self._since is None:
+            self._since, self._said = now, False
+
+    def check(self, now: float, connected: bool) -> str | None:
+        """The warning, once per time the link is down past ``after_s``; ``connected``: a connection
+        is open, but no welcome came over it."""
+        if self._since is None or self._said or now - self._since < self.after_s:
+            return None
+        self._said = True
+        waited = f"for {now - self._since:.0f} s"
+        if connected:
+            why = (f"the coordinator at {self.address} accepts the connection but has not welcomed this "
+                   f"rank {waited}: does NANGUARD_TOKEN differ from the coordinator's, or does it serve "
+                   "another job?")
+        else:
+            why = (f"no coordinator has answered at {self.address} {waited}: is nanguard coordinator "
+                   "running there and reachable from this host, with the same CurveZMQ key "
+                   "(NANGUARD_CURVE_PUBLIC_KEY) if it uses one?")
+        return (f"nanguard: {why} Training goes on, guarded locally; events wait in a bounded queue "
+                "(then count as dropped) and this is said again when the link is up")
+
+    def up(self, now: float) -> str | None:
+        """The coordinator welcomed this rank: the notice that the link is back, if it was said to be down."""
+        since, said = self._since, self._said
+        self._since, self._said = None, False
+        if since is None or not said:
+            return None
+        return (f"nanguard: the coordinator at {self.address} answers again after {now - since:.0f} s; "
+                "this rank reports to it")
+
+
 class Client:
     """One rank's link to the coordinator at ``address``.
 
@@ -301,6 +351,7 @@ class Client:
         self._sender = _Sender(self._outbox, self._link, self.identity, heartbeat_s, self._warn)
         self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
         self._connected = False
+        self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
         self._warned_at: dict[str, float] = {}
         self._stopping = threading.Event()
         self._close_deadline = math.inf
@@ -397,6 +448,7 @@ class Client:
         monitor = None
         self._connected = False
         self._link.reset()
+        self._silence.down(time.monotonic())
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
@@ -448,6 +500,8 @@ class Client:
             self._connection_events(monitor)
         if sock in ready:
             self._receive(sock, now)
+        if not self._stopping.is_set() and (said := self._silence.check(time.monotonic(), self._connected)):
+            log.warning("%s", said)
         return self._sender.send(sock, now, self._connected)
 
     def _connection_events(self, monitor: zmq.Socket) -> None:
@@ -462,6 +516,7 @@ class Client:
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
                 self._link.reset()
+                self._silence.down(time.monotonic())
             else:
                 self._warn("curve", f"nanguard: the connection to the coordinator at {self.address} failed "
                            "its handshake: does NANGUARD_CURVE_PUBLIC_KEY match the coordinator's key (and "
@@ -480,6 +535,8 @@ class Client:
                            f"{self.address}: {exc}")
                 continue
             if message.type == "welcome":
+                if said := self._silence.up(time.monotonic()):
+                    log.warning("%s", said)
                 # introduce this rank to the instance, first in line
                 self._outbox.control.appendleft(("hello", self.identity))
                 self._sender.next_heartbeat = 0.0

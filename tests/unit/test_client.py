@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from nanguard import Event, ProtocolError
-from nanguard.client import Client, Link
+from nanguard.client import Client, Link, Silence
 from nanguard.wire import Codec
 
 IDENTITY = {"rank": 3, "local_rank": 1, "world_size": 4, "host": "node1", "pid": 4242, "job": "j",
@@ -300,3 +300,24 @@ def test_a_restarted_coordinator_gets_a_new_handshake_and_hello(make_client):
     finally:
         client.close()
         second.close()
+
+
+def test_silence_is_said_once_per_outage_with_its_likely_causes_and_its_end():
+    silence = Silence("tcp://10.0.0.7:5555", after_s=6.0, now=100.0)
+    assert silence.check(105.9, connected=False) is None  # not yet a few heartbeats
+    said = silence.check(106.0, connected=False)
+    assert "no coordinator has answered at tcp://10.0.0.7:5555 for 6 s" in said
+    assert "is nanguard coordinator running there" in said and "NANGUARD_CURVE_PUBLIC_KEY" in said
+    assert silence.check(200.0, connected=False) is None  # once
+    assert silence.up(210.0) == ("nanguard: the coordinator at tcp://10.0.0.7:5555 answers again after 110 s; "
+                                 "this rank reports to it")
+    assert silence.up(211.0) is None and silence.check(300.0, connected=True) is None  # up
+    silence.down(300.0)
+    silence.down(301.0)  # (the outage began at the first)
+    said = silence.check(306.0, connected=True)
+    assert "accepts the connection but has not welcomed this rank for 6 s" in said and "NANGUARD_TOKEN" in said
+
+
+def test_a_link_that_comes_up_in_time_says_nothing():
+    silence = Silence("tcp://127.0.0.1:5555", after_s=6.0, now=0.0)
+    assert silence.up(2.0) is None and silence.check(60.0, connected=True) is None
