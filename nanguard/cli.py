@@ -47,9 +47,7 @@ def _ask(args: argparse.Namespace, type_: str, body: dict):
                                                    ("token", "operator_token", "curve_public_key"))
     except ConfigError as exc:
         return _fail(args, exc, 2)
-    if not address:
-        return _fail(args, "no coordinator address: pass --coordinator tcp://HOST:PORT or set "
-                     "NANGUARD_COORDINATOR", 2)
+    address = address or args.loopback  # where a `nanguard coordinator` with no option listens
     try:
         return request(address, token, type_, body, operator_token=operator_token,
                        curve_public_key=curve_public_key, timeout_s=args.timeout_s)
@@ -109,9 +107,11 @@ def _stop(args: argparse.Namespace) -> int:
         return reply
     command_id = printable(reply.body["command_id"])
     if reply.body["existing"]:
-        print(f"{command_id} (the job was already stopping; that command stands)")
+        print(f"The job was already stopping (command {command_id}); that stop stands, this one was not sent "
+              "again.")
     else:
-        print(command_id)
+        print(f"Stop command {command_id} sent: every rank stops at one common step, before its update; "
+              "nanguard status shows which ranks have acknowledged it.")
     return 0
 
 
@@ -125,8 +125,39 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+_DESCRIPTION = ("nanguard stops a distributed PyTorch job at the first NaN or Inf, before the bad update, "
+                "and saves what is needed to replay that step.")
+_COORDINATOR_ENVIRONMENT = (
+    "environment: NANGUARD_TOKEN, the shared secret every rank holds (needed to listen on a non-loopback "
+    "address, unless --insecure); NANGUARD_OPERATOR_TOKEN, which nanguard stop must show once it is set (ranks "
+    "do not hold it); NANGUARD_CURVE_SECRET_KEY, to encrypt the ranks' link with CurveZMQ (nanguard keys makes "
+    "a pair)")
+_OPERATOR_ENVIRONMENT = ("environment: NANGUARD_COORDINATOR (the address), NANGUARD_TOKEN and "
+                         "NANGUARD_OPERATOR_TOKEN as the coordinator has them, NANGUARD_CURVE_PUBLIC_KEY "
+                         "if it uses CurveZMQ")
+
+
+def _operator_commands(commands, loopback: str) -> None:
+    for name, func, text in (("status", _status, "show the ranks and the stop state of a job"),
+                             ("stop", _stop, "stop every rank of a job at one common step")):
+        verb = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                                   epilog=_OPERATOR_ENVIRONMENT)
+        verb.add_argument("--coordinator", help="coordinator address (default: $NANGUARD_COORDINATOR, else "
+                                                f"{loopback}, where nanguard coordinator listens by default)")
+        verb.add_argument("--timeout-s", type=float, default=5.0,
+                          help="give up after this many seconds without an answer (default %(default)s)")
+        verb.set_defaults(func=func, loopback=loopback)
+        if name == "status":
+            verb.add_argument("--json", action="store_true", help="print the reply as JSON")
+        else:
+            verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanguard", description=__doc__)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="nanguard", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"nanguard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="a coordinator and a 2-rank torchrun job that goes non-finite,"
                                             " its metrics, its incident and the replay verdict")
@@ -135,22 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", default="nanguard-demo",
                       help="folder for the incident and the coordinator's log (default %(default)s)")
     demo.set_defaults(func=_demo)
-    coordinator = commands.add_parser("coordinator", help="run the coordinator daemon beside a job")
+    coordinator = commands.add_parser("coordinator", help="run the coordinator daemon beside a job",
+                                      description="Run the coordinator daemon beside a job, until SIGTERM "
+                                                  "or SIGINT.", epilog=_COORDINATOR_ENVIRONMENT)
     from .coordinator.main import add_arguments
 
     add_arguments(coordinator)
     coordinator.set_defaults(func=_coordinator)
-    for name, func, text in (("status", _status, "show the ranks and the stop state of a job"),
-                             ("stop", _stop, "stop every rank of a job at one common step")):
-        verb = commands.add_parser(name, help=text)
-        verb.add_argument("--coordinator", help="coordinator address (default: $NANGUARD_COORDINATOR)")
-        verb.add_argument("--timeout-s", type=float, default=5.0,
-                          help="give up after this many seconds without an answer (default %(default)s)")
-        verb.set_defaults(func=func)
-        if name == "status":
-            verb.add_argument("--json", action="store_true", help="print the reply as JSON")
-        else:
-            verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
+    _operator_commands(commands, coordinator.get_default("bind"))
     keys = commands.add_parser("keys", help="print a new CurveZMQ key pair for the coordinator (optional "
                                              "encryption of the ranks' link)")
     keys.set_defaults(func=_keys)

@@ -180,7 +180,7 @@ def _plot(incident: Incident, path: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """``nanguard inspect DIR [--json] [--plot FILE.png]``: 0 on success, 2 on a missing, partial or
     damaged incident, 1 when the plot could not be drawn (the summary is printed all the same)."""
-    parser = argparse.ArgumentParser(prog="nanguard inspect", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="nanguard inspect", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("dir", metavar="DIR", help="an incident folder (under NANGUARD_DIR)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the flight recorder into an image (matplotlib)")

@@ -257,12 +257,13 @@ def test_operator_stop_reaches_every_client(coordinators, clients):
     wait_for(lambda: len(coordinator.status()["ranks"]) == 2, "two ranks registered")
     result = nanguard_cli("stop", "--coordinator", coordinator.address, "--reason", "maintenance window")
     assert result.returncode == 0, result.stderr
-    command_id = result.stdout.strip()
+    assert result.stdout.startswith("Stop command ") and result.stdout.rstrip().endswith("."), result.stdout
+    command_id = result.stdout.split()[2]
     wait_for(lambda: all(r.calls for r in recorders), "every client's on_stop")
     assert [r.calls for r in recorders] == [[(command_id, "maintenance window", "operator")]] * 2
     assert coordinator.metric("nanguard_stops_total", reason="operator") == 1
     again = nanguard_cli("stop", "--coordinator", coordinator.address, "--reason", "again")
-    assert again.returncode == 0 and again.stdout.startswith(f"{command_id} (the job was already stopping")
+    assert again.returncode == 0 and again.stdout.startswith(f"The job was already stopping (command {command_id})")
     assert coordinator.metric("nanguard_stops_total", reason="operator") == 1
 
 

@@ -1,6 +1,17 @@
-"""The operator side of the CLI without a daemon: address checks, the status table."""
+"""The operator side of the CLI: address checks, the status table, help and version; status and
+stop against a real coordinator started with no option."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+
+import nanguard
 
 from nanguard.cli import format_status, main
 from nanguard.coordinator.main import is_loopback
@@ -46,14 +57,70 @@ def test_status_table():
         "job: (none yet), 0 rank(s)", "rank  host  step  last seen  state  events  dropped", "stop: none"]
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["status"], "no coordinator address"),
-    (["status", "--coordinator", "localhost:5555"], "must look like tcp://host:port"),
-])
-def test_operator_commands_need_an_address(argv, fragment, capsys, monkeypatch):
+def test_operator_commands_refuse_what_is_no_address(capsys, monkeypatch):
     monkeypatch.delenv("NANGUARD_COORDINATOR", raising=False)
-    assert main(argv) == 2
-    assert fragment in capsys.readouterr().err
+    assert main(["status", "--coordinator", "localhost:5555"]) == 2
+    assert "must look like tcp://host:port" in capsys.readouterr().err
+
+
+def test_version_is_the_packages(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"nanguard {nanguard.__version__}\n"
+
+
+@pytest.mark.parametrize("verb", [[], ["demo"], ["coordinator"], ["status"], ["stop"], ["keys"], ["inspect"]])
+def test_help_is_plain_text(verb, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([*verb, "--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0 and "usage: nanguard" in text
+    assert "`" not in text, text  # no markup: ``nanguard`` reads as noise on a terminal
+
+
+def test_coordinator_help_names_the_secrets_it_reads(capsys):
+    with pytest.raises(SystemExit):
+        main(["coordinator", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for variable in ("NANGUARD_TOKEN", "NANGUARD_OPERATOR_TOKEN", "NANGUARD_CURVE_SECRET_KEY"):
+        assert variable in text, text
+
+
+def _nanguard(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanguard", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_status_and_stop_find_a_coordinator_started_with_no_option(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    # (the metrics port is the one option: another test may hold 9464; the address is the default)
+    daemon = subprocess.Popen([sys.executable, "-m", "nanguard", "coordinator", "--metrics-port", "0"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        deadline, seen = time.monotonic() + 30, []
+        while not (seen and seen[-1].startswith("nanguard coordinator ready")):
+            ready, _, _ = select.select([daemon.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = daemon.stdout.readline() if ready else ""
+            if not line:
+                if "in use" in "".join(seen):
+                    pytest.skip("the default coordinator port is taken on this machine")
+                pytest.fail("the coordinator did not start:\n" + "".join(seen))
+            seen.append(line)
+        status = _nanguard("status", env=env, cwd=tmp_path)
+        assert status.returncode == 0 and status.stdout.startswith("job: (none yet), 0 rank(s)"), status.stderr
+        stop = _nanguard("stop", "--reason", "maintenance", env=env, cwd=tmp_path)
+        assert stop.returncode == 0, stop.stderr
+        assert stop.stdout.startswith("Stop command ") and " sent: every rank stops at one common step" in stop.stdout
+        again = _nanguard("stop", "--reason", "again", env=env, cwd=tmp_path)
+        assert again.stdout.startswith(f"The job was already stopping (command {stop.stdout.split()[2]})")
+    finally:
+        os.killpg(daemon.pid, signal.SIGKILL)
+        daemon.wait(10)
+        daemon.stdout.close()
 
 
 def test_nanguard_coordinator_alone_serves_on_loopback_with_a_log_here(monkeypatch):
