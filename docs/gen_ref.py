@@ -132,10 +132,10 @@ def _prose(parser: argparse.ArgumentParser, text: str | None) -> list[str]:
 
 def _command_section(title: str, summary: str, parser: argparse.ArgumentParser) -> list[str]:
     lines = [f"## `{title}`", ""]
-    if summary:
-        lines += [markdown(summary)[0].upper() + markdown(summary)[1:] + ".", ""]
-    if parser.description and parser.description.strip() != summary.strip():
-        lines += _prose(parser, parser.description)
+    said = " ".join((parser.description or "").split()).lower()
+    if summary and not said.startswith(summary.strip().rstrip(".").lower()):  # the description says it
+        lines += [markdown(summary)[0].upper() + markdown(summary)[1:].rstrip(".") + ".", ""]
+    lines += _prose(parser, parser.description)
     lines += ["```text", parser.format_usage().strip(), "```", ""]
     lines += _options_table(parser)
     lines += _prose(parser, parser.epilog)
