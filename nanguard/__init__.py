@@ -38,6 +38,10 @@ def __getattr__(name: str):
         from .rank import guard
 
         return getattr(guard, name)
+    if name == "integrations":  # (nanguard.integrations.lightning... with a plain `import nanguard`)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.integrations")
     if name == "skip_list":
         from .replay.skipfile import skip_list
 
