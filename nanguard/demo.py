@@ -1,10 +1,11 @@
 """``nanguard demo``: a coordinator, a 2-rank torchrun job that goes non-finite, and its replay.
 
-``main()`` is the whole show on one machine (gloo on CPU): it starts ``nanguard coordinator``,
-launches ``torchrun --nproc-per-node 2 -m nanguard.demo`` (``worker()``: a small transformer in
-which the last rank's feed-forward layer overflows at a chosen step), prints what the
-coordinator's ``/metrics`` saw, replays the incident with ``NANGUARD_REPLAY`` and prints the
-verdict. Every process it starts runs in its own session and is killed, whatever happens,
+``main()`` is the whole show on one machine (gloo on CPU), told in five stages that each fit a
+screen: it starts ``nanguard coordinator``, launches ``torchrun --nproc-per-node 2 -m nanguard.demo``
+(``worker()``: a small transformer in which the last rank's feed-forward layer overflows at a chosen
+step), prints what the coordinator's ``/metrics`` saw, replays the incident with ``NANGUARD_REPLAY``
+and shows what ``nanguard inspect`` adds to the replay's report. Every command is printed as it can
+be pasted into a shell. Every process it starts runs in its own session and is killed, whatever happens,
 before it returns.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,9 @@ from pathlib import Path
 
 _JOB_TIMEOUT_S = 100.0
 _READY_TIMEOUT_S = 20.0
+_STAGES = 5
+_SAID_BY_THE_REPLAY = ("replay", "trace", "operation", "samples", "device")
+"""labels of ``nanguard inspect``'s summary that repeat the replay's report"""
 _SHOWN_METRICS = ("nanguard_nonfinite_events_total", "nanguard_stops_total", "nanguard_ranks_alive",
                   "nanguard_rank_step", "nanguard_incidents_total", "nanguard_events_dropped_total")
 
@@ -197,59 +202,103 @@ def _torchrun(steps: int, bad_step: int) -> list[str]:
             "--bad-step", str(bad_step)]
 
 
-def _run_job(procs: _Processes, argv: list[str], env: dict[str, str], title: str) -> str:
-    print(f"\n== {title}\n$ {' '.join(argv[1:])}", flush=True)
+def _command(argv: list[str], env: dict[str, str]) -> str:
+    """``argv`` as a line to paste into a shell, with the nanguard variables it runs with."""
+    variables = [f"{name}={shlex.quote(value)}" for name, value in sorted(env.items()) if name.startswith("NANGUARD_")]
+    return " ".join([*variables, shlex.join(argv)])
+
+
+def _stage(number: int, title: str, *sentences: str) -> None:
+    print(f"\n== {number}/{_STAGES} {title}", flush=True)
+    for sentence in sentences:
+        print(f"  {sentence}", flush=True)
+
+
+def _run_job(procs: _Processes, argv: list[str], env: dict[str, str], leave_out: tuple[str, ...] = ()) -> str:
+    """Run a job to its end, showing its output but lines that start with ``leave_out``; its output."""
+    print(f"  $ {_command(argv, env)}", flush=True)
     job = procs.start(argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = _Lines(job)
     deadline = time.monotonic() + _JOB_TIMEOUT_S
     while (line := lines.next(deadline)) is not None:
-        if line.startswith(("[rank", "nanguard", "  ")):
+        if line.startswith(("[rank", "nanguard", "  ")) and not line.strip().startswith(leave_out):
             print("  " + line.rstrip(), flush=True)
     if time.monotonic() >= deadline:
         procs.stop(job, grace_s=1.0)
-        raise RuntimeError(f"{title} did not finish within {_JOB_TIMEOUT_S:.0f}s (stopped):\n"
+        raise RuntimeError(f"{argv[-6:]} did not finish within {_JOB_TIMEOUT_S:.0f}s (stopped):\n"
                            + "".join(lines.seen[-40:]))
     job.wait()
     if job.returncode != 0:
-        raise RuntimeError(f"{title} failed (exit code {job.returncode}):\n" + "".join(lines.seen[-40:]))
+        raise RuntimeError(f"the job failed (exit code {job.returncode}):\n" + "".join(lines.seen[-40:]))
     return "".join(lines.seen)
 
 
-def main(steps: int = 40, bad_step: int = 25, workdir: str = "nanguard-demo") -> int:
-    from .incident import IncidentError, read_incident
+def _inspect_lines(summary: str) -> list[str]:
+    """``nanguard inspect``'s summary without what the replay stage has shown already."""
+    shown, keep = [], True
+    for line in summary.splitlines():
+        if not line.startswith(" "):
+            keep = line.split(None, 1)[0] not in _SAID_BY_THE_REPLAY
+        if keep:
+            shown.append("  " + line)
+    return shown
+
+
+def _coordinator(procs: _Processes, folder: Path, env: dict[str, str]) -> dict[str, str]:
+    argv = [sys.executable, "-m", "nanguard", "coordinator", "--bind", "tcp://127.0.0.1:0",
+            "--metrics-port", "0", "--log", str(folder / "coordinator.jsonl")]
+    _stage(1, "the coordinator",
+           "A small process beside the job: every rank reports to it, and it counts what they report for Prometheus.",
+           f"$ {_command(argv, {})}")
+    coordinator = procs.start(argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready = _ready(_Lines(coordinator), _READY_TIMEOUT_S)
+    print(f"  It listens for the ranks at {ready['bind']}; its metrics are at {ready['metrics']}", flush=True)
+    return ready
+
+
+def _show(procs: _Processes, folder: Path, env: dict[str, str], steps: int, bad_step: int) -> None:
+    from .incident import read_incident
     from .incident.report import summary
+
+    incidents = folder / "incidents"
+    ready = _coordinator(procs, folder, env)
+    _stage(2, "the training job",
+           f"Two ranks train a small transformer on the CPU. At step {bad_step}, rank 1 sets one of its weights to "
+           "3e38,", "so its feed-forward layer overflows to Inf. nanguard stops both ranks before that step's update.")
+    output = _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_COORDINATOR": ready["bind"]})
+    found = sorted(p for p in incidents.iterdir() if p.is_dir()) if incidents.is_dir() else []
+    if not found or "stopped at step" not in output:
+        raise RuntimeError("the job did not stop with an incident:\n" + output[-3000:])
+    incident = str(found[-1])
+    _stage(3, "what the coordinator counted",
+           "What Prometheus would scrape from it (an alert rule on the first line would page someone):")
+    for line in _metrics_after_stop(ready["metrics"]):
+        print("  " + line, flush=True)
+    _stage(4, "the replay",
+           "The same command, with NANGUARD_REPLAY naming the incident folder: it loads the saved state and "
+           f"runs step {bad_step}", "again, checking every layer, and says whether the fault comes back (a "
+           "bug in the code or data) or not (the hardware).")
+    _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_REPLAY": incident},
+             leave_out=("samples:", "note:", "rank 0 backward", "rank 1 backward"))
+    _stage(5, "the incident folder",
+           f"What nanguard inspect {incident} says besides the replay above: the first event, and",
+           "the loss and gradient norm of the steps before it, as the flight recorder kept them (--json: all of it).")
+    print("\n".join(_inspect_lines(summary(read_incident(incident)))), flush=True)
+
+
+def main(steps: int = 40, bad_step: int = 25, workdir: str = "nanguard-demo") -> int:
+    from .incident import IncidentError
 
     started = time.monotonic()
     folder = Path(workdir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    incidents = folder / "incidents"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANGUARD_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NANGUARD_DIR=str(incidents))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NANGUARD_DIR=str(folder / "incidents"))
     procs = _Processes()
+    print(f"nanguard demo: a 2-rank training job goes non-finite at step {bad_step}; what nanguard does about it,"
+          f" in {_STAGES} stages.", flush=True)
     try:
-        print("== nanguard coordinator (the sidecar)", flush=True)
-        coordinator = procs.start(
-            [sys.executable, "-m", "nanguard", "coordinator", "--bind", "tcp://127.0.0.1:0",
-             "--metrics-port", "0", "--log", str(folder / "coordinator.jsonl")],
-            env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ready = _ready(_Lines(coordinator), _READY_TIMEOUT_S)
-        print(f"  ranks report to {ready['bind']}; Prometheus scrapes {ready['metrics']}", flush=True)
-
-        output = _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_COORDINATOR": ready["bind"]},
-                          f"training: 2 ranks, rank 1 overflows at step {bad_step}")
-        found = sorted(p for p in incidents.iterdir() if p.is_dir()) if incidents.is_dir() else []
-        if not found or "stopped at step" not in output:
-            raise RuntimeError("the job did not stop with an incident:\n" + output[-3000:])
-        incident = str(found[-1])
-
-        print(f"\n== what the coordinator exports ({ready['metrics']})", flush=True)
-        for line in _metrics_after_stop(ready["metrics"]):
-            print("  " + line, flush=True)
-
-        _run_job(procs, _torchrun(steps, bad_step), {**env, "NANGUARD_REPLAY": incident},
-                 "replay: the same script with NANGUARD_REPLAY")
-        print(f"\n== nanguard inspect {incident}", flush=True)
-        print(summary(read_incident(incident)), flush=True)
+        _show(procs, folder, env, steps, bad_step)
     except (RuntimeError, OSError, IncidentError, KeyError) as exc:
         print(f"nanguard demo failed: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -158,7 +158,7 @@ def lines(flight: Flight, incident_step: int, indent: int) -> list[str]:
     where = "" if incident_step in steps else (" (after the last row)" if incident_step > steps[-1] else "")
     out.append(f"{pad}{'':<11}{' ' * mark}^ step {incident_step}, the incident{where}")
     for entry in _top_entries(flight.top_params):
-        out.append(f"{pad}{'top params':<11}step {entry['step']}: " + ", ".join(
+        out.append(f"{pad}{'':<11}largest gradient norms, step {entry['step']}: " + ", ".join(
             f"{name} {_norm(norm)}" for name, norm in _largest(entry["params"])))
     return out
 

@@ -35,11 +35,11 @@ def _size(n: int) -> str:
 
 
 def _role(event: Event) -> str:
-    """Producer or propagator: did the layer make the value, or only pass on a bad input?"""
+    """Producer or passed on: did the layer make the value, or only pass on a bad input?"""
     if event.input_nonfinite is None:
         return "unknown (its inputs were not checked)"
     if event.input_nonfinite:
-        return "propagator: its inputs were already non-finite; the cause lies upstream"
+        return "passed on: its inputs were already non-finite; the cause lies upstream"
     return "producer: its inputs were finite and its output is not; the value was made here"
 
 

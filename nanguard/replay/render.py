@@ -35,7 +35,7 @@ def trace_lines(report: dict[str, Any], per_rank: int = 3) -> list[str]:
     lines = []
     for rank, trace in sorted(report.get("trace", {}).items(), key=lambda kv: int(kv[0])):
         for entry in trace["forward"][:per_rank]:
-            role = "producer" if entry["inputs_finite"] else "propagator"
+            role = "producer" if entry["inputs_finite"] else "passed on"
             lines.append(f"rank {rank} forward: {entry['module'] or 'the model'} ({entry['module_type']},"
                          f" {role}, micro-batch {entry['micro_batch']}): {_stats(entry['output'])}")
         for entry in trace["gradients"][:per_rank]:
@@ -127,10 +127,10 @@ def sample_lines(samples: dict[str, Any]) -> list[str]:
         lines.append(f"micro-batch {entry['micro_batch']}: {_micro_batch(entry)}")
         lines += [f"micro-batch {entry['micro_batch']}, {_samples(g['from'], g['to'])} unresolved: {g['why']}"
                   for g in entry["unresolved"]]
-    lines += [f"mixing: {note}" for note in samples.get("mixing", [])]
-    lines.append(f"search: {samples['runs']} run(s) of the model (cap {samples['max_runs']})"
+    lines += [f"caveat: {note}" for note in samples.get("mixing", [])]
+    lines.append(f"search: {samples['runs']} run(s) of the model (at most {samples['max_runs']})"
                  + (f", under the script's autocast ({', '.join(samples['autocast'])})" if samples.get("autocast") else "")
-                 + (": the cap was reached, the search is incomplete" if samples["capped"] else ""))
+                 + (": that limit was reached, the search is incomplete" if samples["capped"] else ""))
     return lines
 
 

@@ -452,6 +452,11 @@ def test_nanguard_demo_the_main_job(tmp_path):
     assert 'nanguard_nonfinite_events_total{kind="forward",rank="1"} 1.0' in out
     assert 'nanguard_stops_total{reason="nonfinite"} 1.0' in out
     assert re.search(r"replay of \S+ \(step 25\): reproducible", out), out
+    # a story a newcomer can follow: commands to paste, the replay's report once, plain words
+    assert "$ NANGUARD_COORDINATOR=tcp://127.0.0.1:" in out and f" {sys.executable} -m torch.distributed.run " in out
+    assert "$ -m" not in out and out.count("the same forward event in blocks.1.linear1 at step 25") == 1, out
+    assert "largest gradient norms, step 24: " in out and "top params" not in out, out
+    assert not re.search(r"mixing|propagator|\(cap \d+\)", out), out
     (incident,) = (folder / "incidents").iterdir()
     from nanguard import incident as capture
 

@@ -33,7 +33,7 @@ def test_propagator(tmp_path):
     record = capture.write_rank(path, 0, **rank_inputs(0))
     capture.finalize(path, world_size=1, step=7, first_event=first_event(rank=0, input_nonfinite=True),
                      rank_records=[record], capture_batch=True, sharded=None)
-    assert "propagator: its inputs were already non-finite" in inspect.summary(read_incident(path))
+    assert "passed on: its inputs were already non-finite" in inspect.summary(read_incident(path))
 
 
 def test_the_root_module_is_called_the_model(tmp_path):

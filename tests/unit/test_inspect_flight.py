@@ -56,7 +56,7 @@ def test_sparklines_of_loss_and_grad_norm_with_the_incident_step_marked(tmp_path
     assert norm.split()[1] == "▁▁▁▁▁▁█·" and norm.endswith("(log scale)")
     column = loss.index(spark) + 7
     assert mark.index("^") == column and mark.endswith("^ step 7, the incident")
-    assert top == "  top params step 6: blocks.1.fc.weight 159, blocks.1.fc.bias 12.5, head.bias 0.1"
+    assert top == " " * 13 + "largest gradient norms, step 6: blocks.1.fc.weight 159, blocks.1.fc.bias 12.5, head.bias 0.1"
 
 
 def test_what_the_recorder_writes_for_non_finite_values_is_drawn_as_such(tmp_path):
@@ -70,7 +70,7 @@ def test_what_the_recorder_writes_for_non_finite_values_is_drawn_as_such(tmp_pat
     add_flight(path, 1, data)
     lines = [line for line in inspect.summary(read_incident(path)).splitlines() if line.startswith("  ")]
     assert lines[0].startswith("  loss       ········") and lines[0].endswith("none recorded")
-    assert lines[-1] == "  top params step 7: a.weight non-finite, b.weight 2"
+    assert lines[-1] == " " * 13 + "largest gradient norms, step 7: a.weight non-finite, b.weight 2"
 
 
 def test_json_keeps_its_keys_and_adds_the_flight(tmp_path, capsys):

@@ -302,7 +302,7 @@ def test_dropout_redrawn_for_each_part_is_said(monkeypatch, capsys):
     together = [g for g in found["micro_batches"][0]["unresolved"] if g["why"].startswith("bad only together")]
     assert together  # the masks moved: parts bad whole, neither half bad
     assert all("drop in train mode draw(s) random masks anew" in g["why"] for g in together)
-    assert "mixing: 1 module(s) that draw random numbers" in capsys.readouterr().out
+    assert "caveat: 1 module(s) that draw random numbers" in capsys.readouterr().out
 
 
 class TwoHeads(nn.Module):
