@@ -7,11 +7,14 @@
     stop.py      StopFanout: the job's one stop command, sent to every rank until it acks
     replay.py    ReplayMemory: each sender's last seq, operators, ranks and guests in tables of
                  their own (a flood of new names cannot make an operator's message playable again)
-    eventlog.py  EventLog: every accepted message as a JSON line, and the thread that fsyncs them
+    eventlog.py  EventLog: every accepted message as a JSON line, and the thread that fsyncs them;
+                 rotated by size; a disk that refuses it costs lines (counted), never the loop
+    state.py     the state file: the job's stop, kept across a restart (written atomically)
     clock.py     Instant: the wall clock (shown, logged) and the monotonic one (durations), read
                  together; LoopClock leaves out the time the process did not run
     policy.py    Policy: when the job stops (pure: no I/O, no clock)
-    metrics.py   Metrics: the Prometheus series, and the HTTP endpoint that serves them
+    metrics.py   Metrics: the Prometheus series, and the HTTP endpoint that serves them (idle
+                 connections time out, at most MAX_CONNECTIONS at once)
     control.py   request(): one operator request and its reply (``nanguard status`` / ``stop``)
     main.py      ``nanguard coordinator``: arguments, signals, the ready line
 """

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import socket
+import threading
 import time
 from collections.abc import Callable
+from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import MetricsHandler
 
 from .._text import printable
 from ..protocol import BAD_MESSAGE_REASONS, STOP_KINDS, STOP_REASONS
@@ -35,6 +38,10 @@ TRANSIENT_PAIRS_PER_RANK = 4
 TRANSIENT_PAIRS_UNKNOWN_WORLD = 4096
 """the pairs kept when no world size is known"""
 OTHER = "other"
+IDLE_TIMEOUT_S = 5.0
+"""a /metrics connection that sends nothing this long is closed"""
+MAX_CONNECTIONS = 32
+"""/metrics connections served at once; more are closed when accepted"""
 DROP_REASONS = ("full", "gone")
 """why a message to a peer was dropped unsent (``nanguard_replies_dropped_total{reason}``)"""
 """the host and device label values the pairs past the cap are counted under"""
@@ -213,11 +220,22 @@ def _label(text: str) -> str:
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one; see ``url``)."""
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one; see ``url``).
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
-        self._thread.name = "nanguard-metrics"
+    Each connection is served by a thread of its own, so that a slow scrape does not hold up the
+    next; a connection that sends nothing for ``idle_timeout_s`` is closed, and past
+    ``max_connections`` at once a new one is closed as soon as it is accepted: idle sockets cannot
+    take every thread and descriptor of the process (the ZeroMQ side needs them to reach the ranks).
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
+        handler = type("NanguardMetricsHandler", (MetricsHandler,),
+                       {"registry": registry, "timeout": idle_timeout_s})
+        family, address = _listen_address(host, port)
+        self._httpd = _BoundedHTTPServer(family, address, handler, max_connections)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="nanguard-metrics", daemon=True)
+        self._thread.start()
         bound_host, self.port = self._httpd.server_address[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         self.url = f"http://{shown}:{self.port}/metrics"
@@ -230,3 +248,44 @@ class MetricsServer:
             log.warning("metrics HTTP thread did not stop within %.1f s; leaving it (daemon thread)",
                         timeout_s)
 
+
+def _listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The address family and socket address to listen on ``host:port`` (IPv4 or IPv6)."""
+    family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    return family, address
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``max_connections`` connections at once."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128
+
+    def __init__(self, family: socket.AddressFamily, address: tuple, handler: type, max_connections: int):
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
+        self._said_full = False
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            if not self._said_full:
+                self._said_full = True
+                log.warning("/metrics has %d connections open: further ones are closed until some end (idle "
+                            "ones are closed after their timeout); said once", self._max_connections)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # no thread took the connection
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

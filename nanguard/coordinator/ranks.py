@@ -183,6 +183,14 @@ class RankTable:
         self._job, self._world_size = job, world_size
         return Admission.NEW_JOB
 
+    def restore(self, job: str, world_size: int) -> bool:
+        """Serve the incarnation ``job`` of ``world_size`` ranks that an earlier coordinator served
+        (its state file); False, with nothing changed, when this table is pinned to another job."""
+        if self._pinned and job != self._job:
+            return False
+        self._job, self._world_size = job, world_size
+        return True
+
     def speaker(self, rank: int, sender: str) -> RankState:
         """The state of ``rank`` when ``sender`` is the session registered for it; else raises
         ProtocolError(``unregistered``): a message for a rank must follow that process's hello."""

@@ -32,13 +32,14 @@ from ..errors import ProtocolError
 from ..protocol import check_curve_key, parse_address
 from ..wire import MAX_BYTES, Codec, Message
 from .clock import Instant, LoopClock, require_positive
-from .eventlog import EventLog
+from .eventlog import EventLog, LogTrouble
 from .handlers import RANK_TYPES, Handlers
 from .metrics import Metrics
 from .policy import Policy
 from .ranks import DEFAULT_MAX_WORLD_SIZE, RankTable
 from .replay import OPERATOR, RANK, ReplayMemory
-from .stop import StopFanout
+from .state import SavedState, StateError, read_state, write_state
+from .stop import StopCommand, StopFanout
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -67,14 +68,17 @@ class Coordinator:
     job may start once every rank of the last one is dead, failed or finished);
     ``max_world_size``: the largest job served. ``dead_after_s``: silence after which a rank counts
     as dead; ``stall_after_s``: time without a new step after which an alive rank counts as
-    stalled; ``resend_s``: how often an unacked stop command is sent again.
+    stalled; ``resend_s``: how often an unacked stop command is sent again. ``state_path``: the
+    state file that keeps the job's stop across restarts (``state.py``; None: none);
+    ``log_max_bytes`` and ``log_keep``: when the event log rotates and how many old ones are kept.
     """
 
     def __init__(self, bind: str, *, token: str | None, registry: CollectorRegistry, log_path: str,
                  operator_token: str | None = None, curve_secret_key: str | None = None,
                  policy: Policy | None = None, job: str | None = None,
                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, dead_after_s: float = 15.0,
-                 stall_after_s: float = 300.0, resend_s: float = 0.2, context: zmq.Context | None = None):
+                 stall_after_s: float = 300.0, resend_s: float = 0.2, context: zmq.Context | None = None,
+                 state_path: str | None = None, log_max_bytes: int | None = None, log_keep: int = 4):
         # checked before the metrics exist: a refused coordinator leaves the registry empty
         require_positive(dead_after_s=dead_after_s, stall_after_s=stall_after_s, resend_s=resend_s)
         parse_address(bind, bind=True)  # ZeroMQ would take tcp://host:99999 as another port
@@ -89,6 +93,8 @@ class Coordinator:
         self.metrics = Metrics(registry, __version__)
         self.policy = policy or Policy()
         self.log_path = log_path
+        self._log_rotation = {"max_bytes": log_max_bytes, "keep": log_keep}
+        self._state = _StateFile(state_path, self.metrics)
         self.address: str | None = None
         """the bound address, with the real port, once started"""
         self._context = context or zmq.Context.instance()
@@ -116,7 +122,8 @@ class Coordinator:
         """Open the log, bind the socket (errors are raised here) and start the loop thread."""
         if self._thread is not None:
             raise RuntimeError("coordinator already started")
-        self._log = EventLog(self.log_path)
+        self._log = EventLog(self.log_path, count_error=self.metrics.log_errors.inc, **self._log_rotation)
+        self._state.restore(self._ranks, self._stops)
         try:
             self._socket, self.address = _router(self._context, self.bind, self._curve_secret_key)
         except OSError:
@@ -180,15 +187,16 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._handle(frames, self._clock.now())
-                self._log.end_batch()
             at = self._clock.now()
             try:
+                self._state.save_if_changed(self._ranks, self._stops)
+                self._log.end_batch()
                 self._stops.resend_due(at)
                 if at.mono >= self._next_tick:
                     self._next_tick = at.mono + _TICK_S
                     self._ranks.tick(at)
-            except Exception:  # noqa: BLE001 - a bug in a timer must not end the loop either
-                self._bad.failed("a timer", at)
+            except Exception:  # noqa: BLE001 - a bug in a timer or the log must not end the loop either
+                self._bad.failed("a timer or the log", at)
 
     # --- messages -------------------------------------------------------------------------
 
@@ -274,6 +282,52 @@ def _router(context: zmq.Context, bind: str, curve_secret_key: str | None) -> tu
     except zmq.ZMQError as exc:
         sock.close(linger=0)
         raise OSError(f"coordinator cannot bind {bind}: {exc}; nothing was started") from exc
+
+
+class _StateFile:
+    """The state file at ``path`` (None: no state is kept): read back at start, written when the
+    job's stop changes; a failure is counted in ``nanguard_log_errors_total`` and said once."""
+
+    def __init__(self, path: str | None, metrics: Metrics):
+        self.path = path
+        self._metrics = metrics
+        self._trouble = LogTrouble(path or "", metrics.log_errors.inc)
+        self._saved: StopCommand | None = None
+
+    def restore(self, ranks: RankTable, stops: StopFanout) -> None:
+        """The stop saved by an earlier run, back in ``stops`` (its job's ranks are stopped again
+        as they reconnect); a file that is not a state is said in one line and left out."""
+        if self.path is None:
+            return
+        try:
+            saved = read_state(self.path)
+        except StateError as exc:
+            log.error("%s; starting without it: no stop is restored (the file is replaced at the next stop)", exc)
+            return
+        if saved is None or saved.stop is None:
+            return
+        if not ranks.restore(saved.job, saved.world_size):
+            log.warning("the state file %s holds a stop of job %s, but this coordinator serves only job %s: "
+                        "not restored", self.path, saved.job, ranks.job)
+            return
+        stops.restore(saved.stop)
+        self._saved = saved.stop
+        self._metrics.job_stopped.set(1)
+        log.warning("job %s (world size %d) was stopped before this coordinator started (%s: %s; state file %s): "
+                    "its ranks are told to stop again as they reconnect", saved.job, saved.world_size,
+                    saved.stop.origin, saved.stop.reason, self.path)
+
+    def save_if_changed(self, ranks: RankTable, stops: StopFanout) -> None:
+        command = stops.command
+        if command is self._saved or self.path is None:
+            return
+        self._saved = command
+        try:
+            write_state(self.path, SavedState(ranks.job, ranks.world_size, command))
+        except OSError as exc:
+            self._trouble.failed("write the state file", exc)
+        else:
+            self._trouble.worked()
 
 
 class _BadMessages:

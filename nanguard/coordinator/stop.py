@@ -105,6 +105,11 @@ class StopFanout:
         else:
             self.next_resend = math.inf
 
+    def restore(self, command: StopCommand) -> None:
+        """The job's stop as an earlier coordinator decided it: each rank that registers gets it
+        (``registered``); it is not counted again."""
+        self.command = command
+
     def reset(self) -> None:
         """A new job starts: it has not been stopped."""
         self.command = None

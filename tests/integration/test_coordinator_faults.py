@@ -9,9 +9,14 @@ linger 0; every wait is a poll under a generous deadline (no timing is asserted)
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +159,152 @@ def test_handshakes_under_new_names_cannot_make_an_operators_stop_playable_again
     assert coordinator.metric("nanguard_stops_total", reason="operator") == 1  # job a's own
     assert coordinator.metric("nanguard_bad_message_reasons_total", reason="replayed") == 1
     assert coordinator.status()["stop"] is None
+
+
+# --- 6. idle connections on /metrics -------------------------------------------------------------
+
+
+def few_descriptors() -> None:
+    """In the coordinator's child before it starts: a soft limit of 128 open descriptors under a hard
+    one of 1,024 (what many machines give a service)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 1024))
+
+
+def open_files_limit(pid: int) -> int:
+    line = next(line for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc/PID/limits (Linux)")
+def test_idle_metrics_connections_are_closed_and_cannot_exhaust_the_coordinator(daemons):
+    coordinator = daemons(preexec=few_descriptors)
+    assert open_files_limit(coordinator.proc.pid) == 1024  # the soft limit raised to the hard one
+    host, port = coordinator.metrics_url.split("//")[1].split("/")[0].rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(300):  # more than the 128 descriptors the coordinator had, and than its cap
+            sock = socket.socket()
+            idle.append(sock)
+            sock.settimeout(5)
+            with contextlib.suppress(TimeoutError):  # a backlog that is full: the connection waits in it
+                sock.connect((host, int(port)))
+                sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and then nothing: the header never ends
+            sock.setblocking(False)
+        # the operator still reaches the coordinator while they are open, and each one is closed
+        assert coordinator.status()["ranks"] == []
+        wait_for(lambda: all(closed_by_peer(s) for s in idle), "every idle connection closed by the coordinator",
+                 timeout_s=DEADLINE_S)
+        assert coordinator.metric("nanguard_ranks_alive") == 0  # /metrics answers again
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "/metrics has 32 connections open" in coordinator.stderr()
+
+
+# --- 1. a log that cannot be written; the stop across a restart --------------------------------
+
+LOG_LIMIT_BYTES = 64 * 1024
+
+
+def small_disk() -> None:
+    """In the coordinator's child before it starts: no file it writes may pass 64 KiB (RLIMIT_FSIZE),
+    and a write past it fails with EFBIG instead of killing it (SIGXFSZ ignored): a full disk, as
+    far as the log can tell, without root."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_LIMIT_BYTES, LOG_LIMIT_BYTES))
+
+
+class Rank:
+    """Rank 0 of a one-rank job over a raw DEALER: hello, heartbeats, events; it reads its stop."""
+
+    def __init__(self, sock: zmq.Socket, name: str, job: str = "disk-job"):
+        self.sock, self.codec, self.job = sock, Codec(name), job
+        self.instance = handshake(sock, self.codec)
+        sock.send_multipart(hello(self.codec, self.instance, 0, 1, job))
+
+    def heartbeats(self, count: int, step: int = 1) -> None:
+        body = {"rank": 0, "world_size": 1, "job": self.job, "host": "testhost", "pid": 100, "step": step,
+                "step_time_s": 0.1, "dropped": 0, "grad_norm": 1.0}
+        for _ in range(count):
+            self.sock.send_multipart(self.codec.encode("heartbeat", body, to=self.instance))
+
+    def nan(self, step: int) -> None:
+        event = {"kind": "forward", "rank": 0, "step": step, "layer": "blocks.1.gate", "has_nan": True}
+        self.sock.send_multipart(self.codec.encode("events", {"rank": 0, "job": self.job, "events": [event]},
+                                                   to=self.instance))
+
+    def stop(self) -> dict:
+        """The next stop command sent to this rank (other messages are skipped)."""
+        deadline = time.monotonic() + DEADLINE_S
+        while self.sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            message = self.codec.decode(self.sock.recv_multipart())
+            if message.type == "stop":
+                return message.body
+        pytest.fail(f"no stop within {DEADLINE_S:g} s")
+
+
+def test_a_full_disk_costs_log_lines_counted_never_the_coordinator_and_logging_resumes(daemons, dealers):
+    coordinator = daemons("--log-max-mb", "100", preexec=small_disk)
+    rank = Rank(dealers(coordinator.address), "rank0-session")
+    rank.heartbeats(2000)  # ~300 bytes a line: well past 64 KiB
+    wait_for(lambda: coordinator.metric("nanguard_log_errors_total"), "a failed log write counted",
+             timeout_s=DEADLINE_S)
+    rank.nan(step=7)  # the stop is decided, sent and kept while the log cannot be written
+    assert rank.stop()["origin"] == "policy"
+    rank.heartbeats(50)
+    wait_for(lambda: coordinator.metric("nanguard_log_errors_total") > 1, "more failed writes", timeout_s=DEADLINE_S)
+    assert coordinator.status()["stop"]["reason"].startswith("non-finite forward event on rank 0 at step 7")
+    assert coordinator.proc.poll() is None
+    assert coordinator.stderr().count("cannot write the log") == 1  # said once, however often it fails
+    # space comes back (an operator moved the log away): logging goes on by itself
+    os.truncate(coordinator.log, 0)
+    wait_for(lambda: rank.heartbeats(1, step=2) or "is written again" in coordinator.stderr(),
+             "the log written again", timeout_s=DEADLINE_S, every_s=0.5)
+    wait_for(lambda: coordinator.log.read_bytes().endswith(b"}\n"), "new lines in the log", timeout_s=DEADLINE_S)
+    lines = coordinator.log.read_bytes().splitlines()
+    assert "heartbeat" in {json.loads(line)["msg"]["type"] for line in lines}  # every line whole
+    assert json.loads(coordinator.log.with_suffix(".state.json").read_text())["stop"]["origin"] == "policy"
+
+
+def test_the_stop_survives_a_restart_of_the_coordinator(daemons, dealers):
+    coordinator = daemons()
+    first = Rank(dealers(coordinator.address), "rank0-before")
+    first.nan(step=3)
+    command = first.stop()
+    coordinator.restart()  # a new instance: the ranks reconnect, say hello again
+    again = Rank(dealers(coordinator.address), "rank0-after")
+    assert again.stop()["command_id"] == command["command_id"]
+    assert coordinator.status()["stop"]["reason"] == command["reason"]
+    assert coordinator.metric("nanguard_job_stopped") == 1
+    assert "was stopped before this coordinator started" in coordinator.stderr()
+
+
+def test_a_corrupt_state_file_is_said_in_one_line_and_left_out(daemons, tmp_path):
+    state = tmp_path / "state.json"
+    state.write_bytes(b'{"version": 1, "job": "j", "world_size": 2, "stop": {"command_id": 5')
+    coordinator = daemons("--state", str(state))
+    assert coordinator.status()["stop"] is None
+    said = [line for line in coordinator.stderr().splitlines() if str(state) in line]
+    assert len(said) == 1 and "is not a nanguard coordinator state" in said[0] and "starting without it" in said[0]
+
+
+def test_a_log_on_a_device_that_is_always_full_stops_nothing(daemons, dealers, tmp_path):
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    coordinator = daemons("--log", "/dev/full", "--state", str(tmp_path / "state.json"))
+    rank = Rank(dealers(coordinator.address), "rank0-full")
+    rank.heartbeats(20)
+    wait_for(lambda: coordinator.metric("nanguard_log_errors_total"), "failed writes counted", timeout_s=DEADLINE_S)
+    rank.nan(step=1)
+    assert rank.stop()["origin"] == "policy"
+    assert coordinator.stderr().count("cannot write the log /dev/full: No space left on device") == 1

@@ -119,3 +119,40 @@ def test_a_log_that_cannot_be_opened_says_so(tmp_path):
     missing = tmp_path / "no" / "such" / "dir" / "log.jsonl"
     with pytest.raises(OSError, match=f"cannot open its log {missing}: .*nothing was started"):
         EventLog(str(missing))
+
+
+def test_past_max_bytes_the_log_rotates_and_keeps_the_last_files(opened, path):
+    log = opened(fsync=Fsyncs(), max_bytes=1000, keep=2)
+    for i in range(40):  # ~110 bytes a line: ~4 files' worth
+        log.append(float(i), PAYLOAD)
+        log.end_batch()
+    names = sorted(p.name for p in path.parent.iterdir())
+    assert names == ["coordinator.jsonl", "coordinator.jsonl.1", "coordinator.jsonl.2"]
+    for name in names:
+        data = (path.parent / name).read_bytes()
+        assert 0 < len(data) <= 1000
+        assert all(json.loads(line)["msg"]["type"] == "hello" for line in data.splitlines())
+    received = [json.loads(line)["received"] for name in reversed(names)
+                for line in (path.parent / name).read_bytes().splitlines()]
+    assert received == sorted(received) and received[-1] == 39.0  # oldest first, the newest last
+
+
+def test_a_log_that_cannot_be_written_costs_its_lines_counted_and_said_once(tmp_path, caplog):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (a device every write to fails with ENOSPC)")
+    errors = []
+    log = EventLog("/dev/full", fsync=lambda fd: None, count_error=lambda: errors.append(1))
+    try:
+        for i in range(5):
+            log.append(float(i), PAYLOAD)
+            log.end_batch()  # never raises for the disk
+    finally:
+        log.close()
+    assert len(errors) == 5
+    assert caplog.text.count("cannot write the log /dev/full") == 1
+    assert "No space left on device" in caplog.text
+
+
+def test_rotation_settings_are_checked(path):
+    with pytest.raises(ValueError, match="max_bytes=0 must be positive"):
+        EventLog(str(path), max_bytes=0)
