@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))  # benchmark the checkout this file lives in
 import zmq  # noqa: E402
 
 from nanguard.coordinator.control import request  # noqa: E402
+from nanguard.errors import CoordinatorUnreachable  # noqa: E402
 from nanguard.events import Event  # noqa: E402
 from nanguard.protocol import STOP_KINDS  # noqa: E402
 from nanguard.wire import MAX_BYTES, Codec  # noqa: E402
@@ -270,8 +271,15 @@ class Coordinator:
         return sum(value for (name, _), value in self.samples().items()
                    if name == "nanguard_nonfinite_events_total")
 
-    def status(self) -> dict:
-        return request(self.address, self.token, "status_request", {}, timeout_s=30).body
+    def status(self, timeout_s: float = STEP_TIMEOUT_S) -> dict:
+        """The coordinator's status; asked again while it is too busy to answer within 30 s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return request(self.address, self.token, "status_request", {}, timeout_s=30).body
+            except CoordinatorUnreachable as exc:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise Unfinished(f"no status from the coordinator: {exc}") from None
 
     def proc_stats(self) -> dict[str, float]:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -405,8 +413,11 @@ def _fanout_round(coordinator: Coordinator, workers: Workers, ranks: int, job: s
     workers.send("arm", 30.0)  # each worker answers "armed", then polls its sockets
     workers.answers(f"arming for the stop of {job}")
     sent_at = time.time()
-    reply = request(coordinator.address, token, "stop_request", {"reason": "benchmark"},
-                    operator_token=OPERATOR_TOKEN, timeout_s=60)
+    try:
+        reply = request(coordinator.address, token, "stop_request", {"reason": "benchmark"},
+                        operator_token=OPERATOR_TOKEN, timeout_s=60)
+    except CoordinatorUnreachable as exc:
+        raise Unfinished(f"the stop request of {job} got no answer: {exc}") from None
     for pipe in workers.pipes:
         pipe.send(reply.body["command_id"])
     times = [t for got in workers.answers(f"waiting for the stop of {job}", 60) for t in got]

@@ -5,9 +5,10 @@
 
 Whoever asks first (the policy, an operator, a rank's ``stopped`` report) begins the job's stop;
 it is counted once in ``nanguard_stops_total`` and later requests get the same command. It goes
-at once to every registered rank that has not said ``bye``, again every ``resend_s`` to those
-that have not acked (a message can be lost while a rank reconnects), and to every rank session
-that registers later (a restarted rank must stop too). Each copy is addressed to the session of
+at once to every registered rank that has not said ``bye``, again to those that have not acked
+(a message can be lost while a rank reconnects) after ``resend_s``, then after twice as long each
+time up to ``MAX_RESEND_S`` (16,384 ranks that ack slowly must not get 16,384 signed copies five
+times a second), and to every rank session that registers later (a restarted rank must stop too). Each copy is addressed to the session of
 its rank (``to``), so none can be played to another rank or a later run. The socket stays the
 server's: sending is a function passed in.
 """
@@ -28,6 +29,9 @@ from .metrics import Metrics
 from .ranks import RankState, RankTable
 
 log = logging.getLogger("nanguard.coordinator")
+
+MAX_RESEND_S = 2.0
+"""the longest wait between two copies of the stop to a rank that has not acked"""
 
 Encode = Callable[[str, str, str], list[bytes]]
 """a message's frames from its type, its body already serialised and the session it is for
@@ -64,6 +68,8 @@ class StopFanout:
         self.command: StopCommand | None = None
         self.next_resend = math.inf
         """monotonic time when unacked ranks get the command again (inf: none pending)"""
+        self._wait_s = resend_s
+        """the wait before the next resend: doubles after each one, up to MAX_RESEND_S"""
         self._ranks = ranks
         self._metrics = metrics
         self._encode = encode
@@ -75,6 +81,7 @@ class StopFanout:
         if self.command is not None:
             return self.command, False
         command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall, label)
+        self._wait_s = self.resend_s
         self._metrics.stop(label)
         targets = self._ranks.unfinished()
         started = time.perf_counter()
@@ -101,6 +108,7 @@ class StopFanout:
         acked = self.command.acked
         pending = [state for state in self._ranks.unfinished() if state.rank not in acked]
         if pending:
+            self._wait_s = min(max(self._wait_s * 2, self.resend_s), MAX_RESEND_S)
             self._send(pending, at)
         else:
             self.next_resend = math.inf
@@ -126,4 +134,4 @@ class StopFanout:
                            "origin": command.origin}, separators=(",", ":"))
         encode = self._encode
         self._send_messages([(state.routing_id, encode("stop", body, state.sender)) for state in targets])
-        self.next_resend = at.mono + self.resend_s
+        self.next_resend = at.mono + self._wait_s

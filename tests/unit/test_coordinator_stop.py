@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from nanguard.coordinator.clock import Instant
 from nanguard.coordinator.metrics import Metrics
 from nanguard.coordinator.ranks import RankTable
-from nanguard.coordinator.stop import StopFanout
+from nanguard.coordinator.stop import MAX_RESEND_S, StopFanout
 from nanguard.protocol import STOP_REASONS
 from nanguard.wire import Codec
 
@@ -102,9 +102,24 @@ def test_resends_go_only_to_ranks_that_have_not_acked(setup):
     assert sorted(sent.take()) == [b"id1", b"id2"]
     fanout.ack(1, command.command_id)
     fanout.ack(2, command.command_id)
-    fanout.resend_due(at(1 + 2 * RESEND_S))
+    fanout.resend_due(at(1 + 4 * RESEND_S))  # (the second resend waits twice as long)
     assert sent.take() == [] and fanout.next_resend == float("inf")
     assert fanout.status()["acked"] == [0, 1, 2]
+
+
+def test_resends_wait_twice_as_long_each_time_up_to_a_limit(setup):
+    ranks, fanout, sent = setup
+    register(ranks, 0)
+    fanout.begin("operator", "maintenance", "operator", at(1))
+    sent.take()
+    waits, now = [], at(1).mono
+    for _ in range(12):  # rank 0 never acks
+        waits.append(round(fanout.next_resend - now, 6))
+        now = fanout.next_resend
+        fanout.resend_due(Instant(now, now))
+        assert sent.take() == [b"id0"]
+    assert waits[:3] == [RESEND_S, 2 * RESEND_S, 4 * RESEND_S]
+    assert max(waits) == waits[-1] == MAX_RESEND_S
 
 
 def test_a_rank_that_finishes_gets_no_more_resends(setup):
