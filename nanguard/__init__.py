@@ -5,6 +5,7 @@ coordinator daemon and the operator commands, which share this package, never im
 """
 
 from ._dist import destroy_process_group
+from ._version import __version__ as __version__  # (nanguard.__version__)
 from .errors import (
     ConfigError,
     GuardClosedError,
@@ -30,7 +31,6 @@ __all__ = [
     "init",
     "skip_list",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

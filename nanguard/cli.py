@@ -154,7 +154,7 @@ def _operator_commands(commands, loopback: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(prog="nanguard", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"nanguard {__version__}")

@@ -27,7 +27,8 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
-from .. import __version__, curve
+from .. import curve
+from .._version import __version__
 from ..errors import ProtocolError
 from ..protocol import check_curve_key, parse_address
 from ..wire import MAX_BYTES, Codec, Message

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import __version__
 from .._tree import map_tensors
+from .._version import __version__
 from ..errors import IncidentError
 from ..events import Event
 from .batches import encode
