@@ -2,6 +2,11 @@
 nanguard runs (over one process group, not necessarily the world), and ending a process group so
 that the process can exit.
 
+Objects go between ranks as bytes in a uint8 tensor (``_exchange_bytes``), never through torch's
+``all_gather_object`` / ``broadcast_object_list``: torch 2.13 reads their bytes back with
+``tensor.numpy()``, so without numpy (nanguard does not require it) every rank died with "Numpy is
+not available" at the one step nanguard had to stop.
+
 Why ending needs care (torch 2.13, gloo; seen here as SIGABRT "terminate called without an active
 exception" after training had ended, in about 1 run of 40 on a loaded machine):
 
@@ -27,9 +32,11 @@ without holding the GIL, until every worker is parked.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
+import pickle
 import socket
 import sys
 import time
@@ -138,23 +145,66 @@ class Collectives:
         dist = _initialized()
         if dist is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=src)
-        return box[0]
+        sender = dist.get_rank(self.group) == src
+        data = self._exchange_bytes(dist, _encode(obj) if sender else None, src)[0]
+        return obj if sender else _decode(data)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank within the group."""
         dist = _initialized()
         if dist is None:
             return [obj]
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
+        return [_decode(data) for data in self._exchange_bytes(dist, _encode(obj))]
+
+    def _exchange_bytes(self, dist: Any, data: bytes | None, src: int | None = None) -> list[bytes]:
+        """Every rank's ``data`` by rank (``src`` None: an all-gather), or ``[src's data]`` on
+        every rank (a broadcast; the others pass None). Two collectives: the lengths, then the
+        bytes padded to the longest, on the group's device."""
+        import torch
+
+        device = self.device()
+        length = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)
+        if src is None:
+            lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(lengths, length, group=self.group)
+            sizes = torch.cat(lengths).tolist()
+        else:
+            dist.broadcast(length, group=self.group, group_src=src)
+            sizes = length.tolist()
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine = mine.to(device)
+        if src is None:
+            chunks = [torch.empty_like(mine) for _ in sizes]
+            dist.all_gather(chunks, mine, group=self.group)
+        else:
+            dist.broadcast(mine, group=self.group, group_src=src)
+            chunks = [mine]
+        return [_bytes_of(chunk[:size]) for chunk, size in zip(chunks, sizes)]
 
     def barrier(self) -> None:
         dist = _initialized()
         if dist is not None:
             dist.barrier(group=self.group)
+
+
+def _encode(obj: Any) -> bytes:
+    """What a rank sends: pickle, as torch's own object collectives use, because what goes over
+    includes a micro-batch's arguments as the script made them (any picklable object, tensors as
+    torch pickles them). Only the ranks of one process group read it, which run the same code and
+    already trust each other through the group's store."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(data: bytes) -> Any:
+    return pickle.loads(data)  # a peer rank of this job's own group (see _encode)
+
+
+def _bytes_of(tensor: Any) -> bytes:
+    """A 1-D uint8 tensor's bytes (no numpy: ``Tensor.numpy`` needs it)."""
+    tensor = tensor.cpu().contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""
 
 
 def destroy_process_group(timeout_s: float = 5.0) -> bool:

@@ -46,6 +46,21 @@ def incidents_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def gloo(tmp_path):
+    """A one-rank gloo process group in this process (file store): the same collectives and worker
+    threads as a torchrun rank's."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+@pytest.fixture
 def mlp():
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -23,15 +23,6 @@ from conftest import make_mlp, train_step
 GLOO_WORKER = "pt_gloo_runloop"
 
 
-@pytest.fixture
-def gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
 def ddp_model_after_a_step(close: bool, fault: bool = False) -> tuple[weakref.ref, weakref.ref]:
     """Train a DDP model under a guard, then drop every reference the test holds; returns
     weak references to the model and the guard."""

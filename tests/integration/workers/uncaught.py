@@ -1,6 +1,7 @@
 """A script as a user first writes it: DDP (gloo) with ``nanguard.init(model, optimizer)`` and no
 ``except``, so the NonFiniteError of a NaN born on ``--fault-rank`` ends every rank; torchrun's
-summary then says what happened. ``--other`` raises a ValueError on that rank instead."""
+summary then says what happened. ``--other`` raises a ValueError on that rank instead;
+``--no-numpy`` first checks that numpy cannot be imported here (a test's shim hides it)."""
 
 import argparse
 import datetime
@@ -20,7 +21,15 @@ def main() -> int:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=2)
     parser.add_argument("--other", action="store_true", help="a ValueError of the script's own instead")
+    parser.add_argument("--no-numpy", action="store_true", help="fail unless numpy is hidden from this process")
     args = parser.parse_args()
+    if args.no_numpy:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            print(f"worker {sys.argv[0]}: numpy cannot be imported here, torch {torch.__version__} can", flush=True)
+        else:
+            raise SystemExit("numpy imports: the test's shim did not hide it")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     torch.manual_seed(0)
