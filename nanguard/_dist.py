@@ -239,7 +239,7 @@ def destroy_process_group(timeout_s: float = 5.0) -> bool:
     if holders:
         log.warning("nanguard: gloo's worker threads outlive the destroyed process group, which %s "
                     "still reference(s); free the model before calling nanguard.destroy_process_group()"
-                    " (README, 'Ending a distributed script'); waiting for the workers to go idle",
+                    " (docs/usage.md, 'Ending a distributed script'); waiting for the workers to go idle",
                     ", ".join(holders))
     settled = settle_gloo_workers(timeout_s)
     if not settled:

@@ -335,7 +335,7 @@ def test_bad_messages_are_counted_and_change_nothing(coordinators, clients, raw_
 
 def test_oversized_frames_are_counted_up_to_zeromqs_limit_and_above_it_end_their_connection(
         coordinators, raw_socket):
-    """What the README says about oversized messages (wire.MAX_BYTES, server.MAX_FRAME_BYTES)."""
+    """What docs/security.md says about oversized messages (wire.MAX_BYTES, server.MAX_FRAME_BYTES)."""
     coordinator = coordinators()
     sock = raw_socket(coordinator.address)
     for size in (MAX_BYTES + 1, MAX_BYTES + 1000, MAX_FRAME_BYTES):

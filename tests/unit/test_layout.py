@@ -1,5 +1,5 @@
 """The shape of the package: imports flow one way, and no class or function grows past what a
-newcomer can read (README, Layout)."""
+newcomer can read (docs/architecture.md, "Layout")."""
 
 from __future__ import annotations
 
