@@ -21,7 +21,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -236,7 +236,7 @@ class Coordinator:
             return
         self._send([(identity, frames)])
 
-    def _send(self, messages: Sequence[tuple[bytes, list[bytes]]]) -> None:
+    def _send(self, messages: Iterable[tuple[bytes, list[bytes]]]) -> None:
         """Send each message without waiting: one for a peer whose queue is full (it does not read)
         or whose connection is gone is dropped and counted."""
         # the fan-out's cost is this loop: plain sends, no list per rank (send_multipart's)

@@ -15,13 +15,16 @@ server's: sending is a function passed in.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from .clock import Instant, require_positive
@@ -30,14 +33,19 @@ from .ranks import RankState, RankTable
 
 log = logging.getLogger("nanguard.coordinator")
 
+FIRST_RANKS = 8
+"""ranks a stop goes to before every other: those heard from last. Under torch.distributed each rank
+all-reduces the stop flag at its next step, so the job stops as soon as one of them has it; eight
+recent ones, not the first eight rank numbers, so that a dead or stalled rank cannot hold it up (the
+rest follow in the same pass, and the resends reach any that missed it)"""
 MAX_RESEND_S = 2.0
 """the longest wait between two copies of the stop to a rank that has not acked"""
 
 Encode = Callable[[str, str, str], list[bytes]]
 """a message's frames from its type, its body already serialised and the session it is for
 (``wire.Codec.encode_json`` signed with the ranks' key)"""
-Send = Callable[[Sequence[tuple[bytes, list[bytes]]]], None]
-"""sends each (routing id, frames) pair"""
+Send = Callable[[Iterable[tuple[bytes, list[bytes]]]], None]
+"""sends each (routing id, frames) pair, in order, as it comes"""
 
 
 @dataclass(slots=True)
@@ -127,11 +135,17 @@ class StopFanout:
         return None if self.command is None else self.command.status()
 
     def _send(self, targets: list[RankState], at: Instant) -> None:
+        """The command to ``targets``, the FIRST_RANKS heard from last before the others, each
+        encoded as it is sent (the first is on its way before the last is signed)."""
         if not targets:
             return
         command = self.command
         body = json.dumps({"command_id": command.command_id, "reason": command.reason,
                            "origin": command.origin}, separators=(",", ":"))
         encode = self._encode
-        self._send_messages([(state.routing_id, encode("stop", body, state.sender)) for state in targets])
+        if len(targets) > FIRST_RANKS:
+            first = heapq.nlargest(FIRST_RANKS, targets, key=attrgetter("heard_at"))
+            chosen = {state.rank for state in first}
+            targets = itertools.chain(first, (state for state in targets if state.rank not in chosen))
+        self._send_messages((state.routing_id, encode("stop", body, state.sender)) for state in targets)
         self.next_resend = at.mono + self._wait_s

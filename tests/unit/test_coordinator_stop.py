@@ -201,3 +201,14 @@ def test_resend_s_must_be_positive(registry):
     metrics = Metrics(registry)
     with pytest.raises(ValueError, match="resend_s=0 must be a positive number of seconds"):
         StopFanout(RankTable(metrics), metrics, encoder(), Sent(), resend_s=0)
+
+
+def test_the_ranks_heard_from_last_get_the_stop_first(setup):
+    ranks, fanout, sent = setup
+    states = register(ranks, *range(16), seconds=1)
+    ranks.seen(states[5], b"id5", at(2))
+    ranks.seen(states[13], b"id13", at(3))  # a rank the others' all-reduce reaches at once; rank 0 may be dead
+    fanout.begin("operator", "maintenance", "operator", at(4))
+    order = sent.take()
+    assert order[:2] == [b"id13", b"id5"]
+    assert sorted(order) == sorted(b"id%d" % rank for rank in range(16))  # each once
