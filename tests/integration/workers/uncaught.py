@@ -1,11 +1,14 @@
 """A script as a user first writes it: DDP (gloo) with ``nanguard.init(model, optimizer)`` and no
 ``except``, so the NonFiniteError of a NaN born on ``--fault-rank`` ends every rank; torchrun's
 summary then says what happened. ``--other`` raises a ValueError on that rank instead;
-``--no-numpy`` first checks that numpy cannot be imported here (a test's shim hides it)."""
+``--fault-rank -1 --steps N --step-sleep S``: no NaN, a run long enough for an operator's stop,
+whose StopRequested ends every rank alike; ``--no-numpy`` first checks that numpy cannot be
+imported here (a test's shim hides it)."""
 
 import argparse
 import datetime
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,8 @@ def main() -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="steps to run (default: 3 past the fault's)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--other", action="store_true", help="a ValueError of the script's own instead")
     parser.add_argument("--no-numpy", action="store_true", help="fail unless numpy is hidden from this process")
     args = parser.parse_args()
@@ -36,7 +41,7 @@ def main() -> int:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     nanguard.init(model, optimizer)
-    for step in range(args.fault_step + 3):
+    for step in range(args.fault_step + 3 if args.steps is None else args.steps):
         x = torch.randn(4, 8)
         if step == args.fault_step and rank == args.fault_rank:
             if args.other:
@@ -46,6 +51,7 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        time.sleep(args.step_sleep)
     nanguard.destroy_process_group()
     return 0
 
