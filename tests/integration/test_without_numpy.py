@@ -11,10 +11,9 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from conftest import base_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +43,9 @@ def no_numpy(tmp_path) -> dict[str, str]:
     shim = tmp_path / "no_numpy"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(SHIM)
-    env = {"PYTHONPATH": os.pathsep.join([str(shim), base_env(tmp_path)["PYTHONPATH"]])}
-    probe = subprocess.run([sys.executable, "-c", PROBE], env=base_env(tmp_path, **env), capture_output=True,
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), str(repo), os.environ.get("PYTHONPATH")]))}
+    probe = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True,
                            text=True, timeout=120, check=False)
     assert probe.returncode == 0 and probe.stdout.strip() == "hidden", probe.stdout + probe.stderr
     return env
