@@ -50,6 +50,11 @@ def read_float(value: Any, name: str) -> float | None:
     raise ProtocolError(f"event field {name}={shown(value)} is not a number")
 
 
+def within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` (an ``Event.layer``, a qualified name) is ``ancestor`` or inside it."""
+    return not ancestor or name == ancestor or name.startswith(ancestor + ".")
+
+
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
 

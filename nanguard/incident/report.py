@@ -15,12 +15,12 @@ from typing import Any
 
 from ..errors import IncidentError
 from ..events import Event
-from ..replay.render import detail_lines, trace_lines
-from . import flight
 from .._text import printable
+from . import flight
 from .fsio import plain
 from .manifest import FLIGHT
 from .reader import Incident, read_incident
+from .replay_lines import detail_lines, trace_lines
 
 _LABEL = 13  # width of the summary's left column
 

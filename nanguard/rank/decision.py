@@ -26,13 +26,14 @@ from ..protocol import FIRST_EVENT_ORDER
 from . import diagnose, forensics, microscope, peer
 from .backward import as_left, gradient_norms
 from .detector import Detector, optimizer_steps
-from .diagnose import Finding
+from .modules import params
+from .reading import Finding, Reading
 from .records import CHECK, OUT, Slots, StepLog, concat, stack
 
 log = logging.getLogger("nanguard")
 
 if TYPE_CHECKING:
-    from ..replay import StepObserver
+    from .observer import StepObserver
     from .respond import Responder
 
 
@@ -123,35 +124,6 @@ class StepClock:
         if counted and others:
             self.index = self.step - 1
         return counted
-
-
-@dataclass(slots=True)
-class Reading:
-    """What one step's read said."""
-
-    bad: bool
-    """something was non-finite, on some rank"""
-    stop: bool
-    """a stop was requested, on some rank"""
-    probes: list[float]
-    """minimum and maximum of every OUT and CHECK probe, flattened"""
-    norms: list[float]
-    evidence: list[float]
-    """minimum and maximum of every IN probe, flattened (never a reason to stop)"""
-    local_grads_bad: bool | None
-    """this rank's own gradients were bad before their sum across ranks (None: not watched)"""
-    buffers: list[float] = ()
-    """minimum and maximum of the buffers the step wrote, by dtype (``Buffers.probes``)"""
-    extras: list[float] = ()
-    """values read along for the flight recorder (the GradScaler's scale)"""
-    buckets: list[float] = ()
-    """minimum and maximum of every probe of the gradients before their sum across ranks"""
-    applied: list[float] = ()
-    """norms of the gradients as the optimizer is about to apply them, where they changed after the
-    backward pass left them (summed across ranks, clipped, unscaled, divided: ``changed_gradients``)"""
-    several: bool = False
-    """there are several ranks, whose gradients are summed after the backward pass (by DDP, whether
-    nanguard watches its buckets or not, or by the script)"""
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
@@ -314,10 +286,6 @@ def escalate(settings: Settings, detector: Detector) -> None:
         detector.probes.install()
         log.warning("nanguard: a fault was not reproduced when re-run (a transient): every module is checked"
                     " on every step from now on (mode full; escalate=False keeps the sentinel)")
-
-
-def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class Decider:

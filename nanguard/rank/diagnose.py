@@ -10,19 +10,15 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..events import Event
+from ..events import Event, within
 from . import forensics
 from .buffers import NORMS
-from .modules import within
+from .reading import Finding, Reading
 from .records import BATCH, CHECK, IN, LINK, OUT, Catalog, Probe, Slot, StepLog, changed_since
-
-if TYPE_CHECKING:
-    from .decision import Reading
 
 MakeEvent = Callable[[dict[str, Any]], Event]
 """builds an Event from its fields, adding rank, step, host and time"""
@@ -50,28 +46,6 @@ _LOSS_ACROSS_RANKS = ("with several ranks, that loss may hold another rank's val
                       " every rank's outputs, in a contrastive loss), which its backward sends back here")
 _RECOMPUTED = ("made in the backward pass, where activation checkpointing ran this forward again: the"
                " step's forward pass had made no non-finite output before; what follows is of that run")
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """A rank's first non-finite value of a step."""
-
-    event: Event
-    born_here: bool = True
-    """False when the value came from another rank through DDP's all-reduce: that rank's event"""
-    position: tuple[int, int] | None = None
-    """(micro-batch, ``Probe.call``) of a forward finding's first bad output: where in the step's
-    program it was seen, comparable between ranks that run the same model, so that a value a
-    collective inside the model (a synchronised norm) spread is placed after where it was born
-    (None inside a compiled graph, which counts no calls)"""
-    own_state: bool = False
-    """the module's own non-finite state on this rank explains it: with a sharded model (FSDP2)
-    every rank computes with the gathered weights, and the rank holding the bad shard says so"""
-    summed_pass: int = 0
-    """which backward pass of the step (0: its first) first summed this rank's non-finite gradients
-    across ranks: with several passes summed (accumulation without ``no_sync``), what one pass's
-    all-reduce brought in is in every rank's buckets of the next, so the earliest pass is where it
-    was born"""
 
 
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,

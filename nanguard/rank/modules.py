@@ -18,11 +18,6 @@ _WRAPPERS = {
 }
 
 
-def within(name: str, ancestor: str) -> bool:
-    """Whether module ``name`` is ``ancestor`` or inside it."""
-    return not ancestor or name == ancestor or name.startswith(ancestor + ".")
-
-
 def is_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ in _WRAPPERS
 
@@ -133,6 +128,11 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
         return inner
     return optimizer
+
+
+def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates, group by group."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def untraced(work: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,20 +17,19 @@ from .._dist import Collectives, RankInfo
 from .._throttle import Throttle
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
-from ..events import Event, EventLog
+from ..events import Event, EventLog, within
 from ..incident import RankPart, capture_incident, rng_snapshot
 from ..incident.rng import HOST
 from ..protocol import OBSERVED
 from . import forensics
 from .buffers import Buffers
-from .decision import params
 from .detector import Detector
-from .diagnose import Finding
 from .fed import as_fed
 from .flight import FlightRecorder
 from .gradnorm import GradNormMonitor
 from .modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, local_optimizer,
-                      non_persistent_buffers, sharding, unwrap, within)
+                      non_persistent_buffers, params, sharding, unwrap)
+from .reading import Finding
 from .records import Catalog
 from .reporter import Reporter
 from .rewind import Rewind

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .decision import params
+from .modules import params
 from .patches import wrap_closure
 
 log = logging.getLogger("nanguard")

@@ -20,10 +20,11 @@ The unchanged training script runs with ``NANGUARD_REPLAY=DIR``; ``nanguard.init
 One process may replay one rank's part of a larger incident alone when the model is not sharded
 (``layout.py``), and ``NANGUARD_REPLAY_DEVICE`` runs the model on another device (``devices.py``).
 
-The guard calls a ``StepObserver`` at its few decision points whether or not a replay runs;
-``Replay`` is the one that does something.
+The guard calls a ``StepObserver`` (``nanguard.rank.observer``) at its few decision points whether
+or not a replay runs; ``Replay`` is the one that does something, and ``nanguard.init``
+(``nanguard/api.py``) chooses it. The replay builds on the rank side, never the other way round.
 
-    observer.py  StepObserver (what a guard tells of its steps) and Replay: load, feed, end
+    observer.py  Replay, the StepObserver that replays: load, feed, end
     layout.py    which rank's part this process replays
     trace.py     the synchronous trace: every module output and gradient, checked as it happens
     ops.py       the dispatch mode: the first operations to make a non-finite value
@@ -34,7 +35,8 @@ The guard calls a ``StepObserver`` at its few decision points whether or not a r
     devices.py   the replay's device, the original one, and what comparing them says
     skipfile.py  skip.json and ``nanguard.skip_list``
     report.py    the verdict and its report (replay.json)
-    render.py    the report as readable lines (the replay's output, ``nanguard inspect``)
+    (the report as readable lines, the replay's output and ``nanguard inspect``'s, is
+    ``nanguard.incident.replay_lines``: the incident holds the report)
 
 The verdict is ``reproducible`` when the same kind of event happens again in the same layer
 at the same step: a deterministic bug in the model, the data or the code. Otherwise it is
@@ -42,8 +44,9 @@ at the same step: a deterministic bug in the model, the data or the code. Otherw
 device are named) or at non-determinism, as Megatron-LM's rerun machine reasons.
 """
 
-from .observer import Replay, StepObserver, watch_exit
-from .render import detail_lines, render, trace_lines
+from ..rank.observer import StepObserver
+from .observer import Replay, watch_exit
+from ..incident.replay_lines import detail_lines, render, trace_lines
 from .skipfile import skip_list
 
 __all__ = ["Replay", "StepObserver", "detail_lines", "render", "skip_list", "trace_lines", "watch_exit"]

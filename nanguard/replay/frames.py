@@ -88,11 +88,3 @@ def anomaly_frames(traceback: Any) -> list[dict[str, Any]]:
             if len(frames) == MAX_FRAMES:
                 break
     return frames
-
-
-def where(frame: dict[str, Any] | None) -> str:
-    """``file.py:12 in forward: return torch.log(x)``, or ``?``."""
-    if not frame:
-        return "?"
-    text = f"{frame['file']}:{frame['line']} in {frame['function']}"
-    return f"{text}: {frame['code']}" if frame.get("code") else text

@@ -1,4 +1,5 @@
-"""StepObserver, and Replay: what a guard tells of its steps, and the replay that listens."""
+"""Replay: the ``StepObserver`` (``nanguard.rank.observer``) that listens to a guard's steps and replays
+an incident's step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -18,19 +19,19 @@ from .._dist import Collectives
 from .._tree import floating_tensors, tensors
 from ..config import Settings
 from ..errors import NanguardError, ReplayFinished
-from ..events import Event
+from ..events import Event, within
 from ..incident import Incident, IncidentError
 from ..incident.fsio import write_json
+from ..incident.replay_lines import render
 from ..incident.rng import host_fingerprint
 from ..rank import forensics
 from ..rank.detector import skipped
 from ..rank.modules import (MORE_MODELS, NON_PERSISTENT, OPTIMIZER_PARAMS, STEP_PART, dtensor, is_wrapper,
-                            local_optimizer, non_persistent_buffers, plain_names, type_name, untraced, unwrap,
-                            within)
+                            local_optimizer, non_persistent_buffers, plain_names, type_name, untraced, unwrap)
+from ..rank.observer import StepObserver
 from . import devices, layout, samples
 from .fill import fill, incomplete
 from .ops import OpWatch
-from .render import render
 from .report import build_report
 from .skipfile import SKIP, skip_record
 from .trace import Trace
@@ -234,40 +235,10 @@ def _refuse_a_later_optimizer(extra: Any, path: str) -> None:
                                   " (nanguard inspect) and its batch and weights are still there to read")
 
 
-class StepObserver:
-    """What a guard tells about its steps; this one does nothing (no replay)."""
-
-    step: int | None = None
-    """the step the guard starts counting from (a replay's incident step), or None"""
-    stepped: bool = False
-    """whether the first step is decided at an optimizer step even before one is seen"""
-    nested: Callable[[], bool] = staticmethod(lambda: False)
-    """whether a guarded root's forward is in progress (set by the guard)"""
-
-    def forensic(self, settings: Settings) -> Settings:
-        """The guard's settings for what is observed."""
-        return settings
-
-    def model_attached(self, root: nn.Module, param_names: dict[int, str], prefix: str = "") -> None:
-        """``root`` (with parameters) is now guarded; its names begin with ``prefix`` (empty for
-        the first such root, the model)."""
-
-    def optimizers(self, optimizers: Sequence[torch.optim.Optimizer], states: dict[str, Any]) -> None:
-        """The guard met these optimizers (and scaler, scheduler states)."""
-
-    def first_call(self, root: nn.Module, args: tuple) -> tuple | None:
-        """The first forward of a root found by a bare ``init()``: arguments to use instead, or None."""
-        return None
-
-    def decided(self, event: Event | None) -> None:
-        """A step was decided: its job's first event, or None when it was clean."""
-
-    def batch_given(self, root: nn.Module, batch: Any) -> None:
-        """A micro-batch of ``root`` begins with ``batch`` (``Guard.begin_micro_batch``)."""
-
-
 class Replay(StepObserver):
     """One rank's replay of an incident: ``layout.part`` is the incident's rank it replays."""
+
+    replays = True
 
     def __init__(self, incident: Incident, part: layout.Layout, rank: int, world: int, settings: Settings):
         self.incident = incident

@@ -15,7 +15,7 @@ import nanguard
 from nanguard.config import Settings
 from nanguard.incident import read_incident
 from nanguard.rank.decision import agree, read_step
-from nanguard.rank.diagnose import Finding
+from nanguard.rank.reading import Finding
 from nanguard.rank.guard import Guard
 from nanguard.rank.reporter import Reporter
 

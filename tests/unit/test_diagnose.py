@@ -7,7 +7,7 @@ import math
 import torch
 
 from nanguard.events import Event
-from nanguard.rank.decision import Reading
+from nanguard.rank.reading import Reading
 from nanguard.rank.diagnose import first_bad
 from nanguard.rank.records import BATCH, CHECK, IN, OUT, Catalog, Probe, Slot, StepLog
 

@@ -358,7 +358,7 @@ def test_a_backward_into_every_output_names_suspects_only():
     assert entry["outcome"] == "backward" and entry["checked"] == samples.CHECKED[True]
     assert entry["bad"] == [] and entry["ids"] == [] and entry["suspects"] == [3, 6]
     assert entry["suspect_ids"] == [103, 106] and entry["rest_clean"] is True
-    from nanguard.replay.render import sample_lines
+    from nanguard.incident.replay_lines import sample_lines
     assert "2 sample(s) bad alone only in a backward into every output" in " ".join(sample_lines(unknown))
     known = samples.search(TwoHeads(), [batch], rng, key="index", skipped=set(), outputs=[0])
     (entry,) = known["micro_batches"]
@@ -368,7 +368,7 @@ def test_a_backward_into_every_output_names_suspects_only():
 def test_a_clean_search_says_its_check_is_not_the_steps_own():
     # a micro-batch the replay reproduced can run clean under the search's backward of ones (a NaN born
     # in the loss's gradient): the line must not read as if the step itself ran clean
-    from nanguard.replay.render import sample_lines
+    from nanguard.incident.replay_lines import sample_lines
 
     found = {"searched": True, "micro_batches": [{"micro_batch": 0, "outcome": "clean", "unresolved": []}],
              "runs": 1, "max_runs": 64, "capped": False}

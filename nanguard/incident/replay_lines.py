@@ -1,4 +1,5 @@
-"""A replay report as readable lines: printed at the end of a replay, and by ``nanguard inspect``.
+"""A replay report (``replay.json``) as readable lines: printed at the end of a replay, and by
+``nanguard inspect``.
 
 A report read back from disk may come from another nanguard version: callers that read one
 (``nanguard inspect``) catch the KeyError, TypeError, ValueError or AttributeError of a report
@@ -10,9 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..events import Event
-from ..rank.modules import within
-from .frames import where
+from ..events import Event, within
 
 
 def render(report: dict[str, Any], path: str | None) -> str:
@@ -116,6 +115,14 @@ def operation(op: dict[str, Any]) -> str:
         text += f", at {where(op.get('source'))}"
     out = op["output"]
     return f"{text}; {op['why']}; output {out.get('bad_count')} non-finite of {out.get('numel')}"
+
+
+def where(frame: dict[str, Any] | None) -> str:
+    """``file.py:12 in forward: return torch.log(x)``, or ``?``."""
+    if not frame:
+        return "?"
+    text = f"{frame['file']}:{frame['line']} in {frame['function']}"
+    return f"{text}: {frame['code']}" if frame.get("code") else text
 
 
 def sample_lines(samples: dict[str, Any]) -> list[str]:
