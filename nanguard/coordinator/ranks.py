@@ -39,6 +39,12 @@ DEFAULT_MAX_WORLD_SIZE = 16384
 status reply grow with the ranks (about 5 MiB of /metrics at this size)"""
 
 
+QUIET_ABOVE_RANKS = 64
+"""in a job of more ranks, each rank's registration and clean goodbye is logged at DEBUG, and INFO has
+the counts (registered: at powers of two and the last; finished: as it changes): 16,384 lines per
+job start and end cost the loop time and bury the lines that matter"""
+
+
 @dataclass(slots=True)
 class RankState:
     rank: int
@@ -120,6 +126,8 @@ class RankTable:
         self._pinned = job is not None
         self._world_size: int | None = None
         self._ranks: dict[int, RankState] = {}
+        self._finished_said = 0
+        """the finished count last logged (jobs of more than QUIET_ABOVE_RANKS ranks)"""
 
     @property
     def job(self) -> str | None:
@@ -151,7 +159,10 @@ class RankTable:
         new_session = state is None or state.sender != sender
         if state is None:
             state = self._ranks[rank] = RankState(rank, routing_id, sender, step_changed_at=at.mono)
-            log.info("rank %d registered (%d of %d known)", rank, len(self._ranks), world_size)
+            known = len(self._ranks)
+            shown = world_size <= QUIET_ABOVE_RANKS or known == world_size or known & (known - 1) == 0
+            log.log(logging.INFO if shown else logging.DEBUG, "rank %d registered (%d of %d known)", rank,
+                    known, world_size)
         elif new_session:
             log.info("rank %d is a new process (pid %s on %s, was pid %s)", rank, body["pid"], body["host"],
                      state.pid)
@@ -224,7 +235,8 @@ class RankTable:
         on, without waiting ``dead_after_s``)."""
         state.finished, state.failed, state.alive, state.stalled = clean, not clean, False, False
         if clean:
-            log.info("rank %d finished", state.rank)
+            log.log(logging.INFO if (self._world_size or 0) <= QUIET_ABOVE_RANKS else logging.DEBUG,
+                    "rank %d finished", state.rank)
         else:
             log.warning("rank %d ended without a clean exit (an error ended its process, or it was torn "
                         "down after another rank's failure): it is not alive from now on", state.rank)
@@ -249,6 +261,9 @@ class RankTable:
             failed += state.failed
         self.metrics.ranks(registered=len(self._ranks), alive=alive, stalled=stalled, finished=finished,
                            failed=failed)
+        if finished != self._finished_said and (self._world_size or 0) > QUIET_ABOVE_RANKS:
+            log.info("%d of %d ranks finished", finished, self._world_size)
+        self._finished_said = finished
 
     def status(self) -> list[dict[str, Any]]:
         """The ``ranks`` of a ``status`` reply, by rank number."""

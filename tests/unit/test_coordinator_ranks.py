@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from nanguard import ProtocolError
 from nanguard.coordinator.clock import Instant
 from nanguard.coordinator.metrics import Metrics
-from nanguard.coordinator.ranks import Admission, RankTable
+from nanguard.coordinator.ranks import QUIET_ABOVE_RANKS, Admission, RankTable
 
 WALL_0 = 1_700_000_000.0
 MONO_0 = 5_000.0
@@ -244,3 +244,20 @@ def test_durations_must_be_positive_and_finite(registry, name, value):
     # an infinite one would never count a silent rank as dead
     with pytest.raises(ValueError, match=rf"{name}={value!r} must be a positive number of seconds"):
         RankTable(Metrics(registry), **{name: value})
+
+
+def test_a_large_job_logs_counts_not_a_line_per_rank(caplog):
+    world = 4 * QUIET_ABOVE_RANKS + 3
+    table = RankTable(Metrics(CollectorRegistry()))
+    caplog.set_level(logging.INFO, logger="nanguard.coordinator")
+    for rank in range(world):
+        table.hello(f"s{rank}", b"r", {"rank": rank, "local_rank": 0, "world_size": world, "host": "h", "pid": 1,
+                                       "job": "big", "device": "cpu", "version": "t"}, Instant(1.0, 1.0))
+    registered = [r.getMessage() for r in caplog.records if "registered" in r.getMessage()]
+    assert registered[-1] == f"rank {world - 1} registered ({world} of {world} known)"
+    assert len(registered) == world.bit_length() + 1  # 1, 2, 4, ..., 256 and the last
+    for rank in range(world):
+        table.bye(table.speaker(rank, f"s{rank}"), True, Instant(2.0, 2.0))
+    table.tick(Instant(2.0, 2.0))
+    finished = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
+    assert finished == [f"{world} of {world} ranks finished"]
