@@ -33,6 +33,8 @@ from ..incident.fsio import atomic_write
 log = logging.getLogger("nanguard")
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+REPORTER_FIRST_S = 1.0
+"""how long a rank under torchrun that does not report waits before it exits (see ``_hook``)"""
 
 _held = 0
 """open guards of ``init``: the hook goes when the last one closes"""
@@ -115,3 +117,7 @@ def _hook(exc_type: type[BaseException], error: BaseException, traceback: Any) -
     reporter = error.event.rank if isinstance(error, NonFiniteError) else 0
     if rank == reporter:
         print(next_steps(error), file=sys.stderr, flush=True)
+    elif path:
+        # torchrun ends every other worker as soon as one exits: the rank that says what happened
+        # (and whose error file names the root cause) exits first, not killed before it could
+        time.sleep(REPORTER_FIRST_S)
