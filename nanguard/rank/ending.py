@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,27 +37,32 @@ ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 REPORTER_FIRST_S = 1.0
 """how long a rank under torchrun that does not report waits before it exits (see ``_hook``)"""
 
-_held = 0
-"""open guards of ``init``: the hook goes when the last one closes"""
+class _Hold:
+    """One open guard's hold on the hook: its ``close()`` keeps it alive, so a guard that is collected
+    without being closed lets go of the hook with it."""
+
+
+_holds: weakref.WeakSet[_Hold] = weakref.WeakSet()
+"""the holds of the guards of ``init`` still open: the hook goes when the last one closes"""
 _previous: Any = None
 
 
 def hold() -> Callable[[], None]:
     """A guard starts: make sure the hook is installed (once, whatever the number of guards).
     Returns what its ``close()`` calls."""
-    global _held, _previous
-    _held += 1
+    global _previous
+    token = _Hold()
+    _holds.add(token)
     if sys.excepthook is not _hook:
         _previous, sys.excepthook = sys.excepthook, _hook
-    return _release
+    return lambda: _release(token)
 
 
-def _release() -> None:
+def _release(token: _Hold) -> None:
     """A guard closes; the last one takes the hook away, unless an exception is on its way out (a
     ``with`` block or a ``finally`` closed the guard): that exception is the one the hook is for."""
-    global _held
-    _held = max(0, _held - 1)
-    if _held == 0 and sys.exc_info()[1] is None and sys.excepthook is _hook:
+    _holds.discard(token)
+    if not _holds and sys.exc_info()[1] is None and sys.excepthook is _hook:
         sys.excepthook = _previous
 
 
