@@ -25,7 +25,7 @@ from ..errors import ConfigError, GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
 from ..replay import Replay, StepObserver, watch_exit
-from . import ending, resume
+from . import ending, outcome, resume
 from .decision import Decider, StepClock
 from .detector import Detector
 from .records import StepLog
@@ -186,9 +186,9 @@ class Guard:
         keeps its incident's step: the resumed script that made it loads its checkpoint again."""
         resume.load_state_dict(state, self._clock, self._respond, keep_step=self._observer.step is not None)
 
-    def close(self, clean: bool = True) -> None:
-        """Remove every hook this guard installed. Idempotent. ``clean=False``: the process ends by
-        an error, and the coordinator counts this rank as failed rather than finished."""
+    def close(self, clean: bool | None = None) -> None:
+        """Remove every hook this guard installed. Idempotent. ``clean=False``: the process ends by an error, and
+        the coordinator counts this rank failed, not finished; by default, an error on its way out (outcome.py)."""
         if self._closed:
             return
         log = self._detector.log
@@ -203,14 +203,14 @@ class Guard:
             undo()
         self._undo.clear()
         self._detector.detach()
-        self._reporter.close(clean)
+        self._reporter.close(outcome.closing_cleanly() if clean is None else clean)
         REGISTRY.release(self)
 
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, exc_type: type | None, *exc_info) -> None:
-        self.close(clean=exc_type is None)
+    def __exit__(self, exc_type: type | None, error: BaseException | None, traceback: Any) -> None:
+        self.close(clean=outcome.clean(error, stops=False))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("disabled" if self.settings.disable else "open")

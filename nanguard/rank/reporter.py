@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import sys
 
 import torch
 
@@ -18,6 +17,7 @@ from .. import __version__
 from .._dist import Collectives, RankInfo
 from ..config import Settings
 from ..events import Event
+from . import outcome
 
 log = logging.getLogger("nanguard")
 
@@ -72,13 +72,14 @@ class CoordinatorReporter(Reporter):
         hello = {"rank": group.rank, "local_rank": identity.local_rank, "world_size": group.world_size,
                  "host": identity.host, "pid": identity.pid, "job": identity.job,
                  "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
-                 "version": __version__}
+                 "version": __version__, "restart": identity.restart}
         self._client = Client(settings.coordinator, token=settings.token, identity=hello,
                               queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
                               on_stop=self._on_stop, curve_public_key=settings.curve_public_key)
         self._client.start()
         # a script that ends with an exception still sends what is queued (its stop, its events)
         atexit.register(self._close_at_exit)
+        self._release_exit = outcome.hold()  # (notes a sys.exit code for the goodbye at exit)
 
     def _on_stop(self, command_id: str, reason: str, origin: str) -> None:
         # on the client's thread: one assignment, read at the next decision
@@ -106,9 +107,9 @@ class CoordinatorReporter(Reporter):
 
     def close(self, clean: bool = True) -> None:
         atexit.unregister(self._close_at_exit)
+        self._release_exit()
         self._client.close(timeout_s=2.0, clean=clean)
 
     def _close_at_exit(self) -> None:
-        # the interpreter keeps an uncaught exception in sys.last_value (last_exc from 3.12) before
-        # it runs atexit: such a process ended by an error, and its rank is failed, not finished
-        self.close(clean=getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None)
+        # an uncaught exception, or a non-zero code asked of sys.exit: failed, not finished (outcome.py)
+        self.close(clean=outcome.exiting_cleanly())

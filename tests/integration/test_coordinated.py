@@ -249,7 +249,10 @@ def test_two_nodes_report_to_one_coordinator(torchrun, coordinator):
 
 
 GUARDED_SCRIPT = """
+import os
+import signal
 import sys
+import time
 import torch
 import nanguard
 model = torch.nn.Linear(4, 2)
@@ -259,25 +262,55 @@ for step in range(3):
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     opt.zero_grad()
+from nanguard.coordinator.control import request  # (the test's own wait: this rank is registered)
+deadline = time.monotonic() + 60
+while not request(os.environ["NANGUARD_COORDINATOR"], None, "status_request", {}, timeout_s=20).body["ranks"]:
+    assert time.monotonic() < deadline, "not registered within 60 s"
+    time.sleep(0.05)
 if sys.argv[1] == "raise":
     raise RuntimeError("the script's own error")
 if sys.argv[1] == "with":
     with guard:
         raise KeyError("inside the guard's with block")
+if sys.argv[1] == "finally":  # a collective that failed after a peer died, a guard closed on the way out
+    try:
+        raise RuntimeError("Connection closed by peer")
+    finally:
+        guard.close()
+if sys.argv[1].startswith("signal"):  # a handler that ends the process with a code of its own
+    signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(3))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(30)  # (the handler runs first)
+    finally:
+        if sys.argv[1] == "signal-finally":
+            guard.close()
+if sys.argv[1] == "exit-0":
+    sys.exit(0)
+if sys.argv[1] == "nan-finally":  # nanguard's own stop, through a finally: ends as it always did
+    try:
+        model(torch.full((3, 4), float("nan"))).sum().backward()
+        opt.step()
+    finally:
+        guard.close()
 """
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ending, finished", [("return", True), ("raise", False), ("with", False)])
-def test_a_rank_that_ends_by_an_error_is_failed_not_finished(coordinator, tmp_path, ending, finished):
-    """The goodbye says how the process ended: a script that returns is finished; one ended by an
-    uncaught exception (at exit, or leaving ``with guard`` by it) is failed at once."""
+@pytest.mark.parametrize("ending, finished, returncode", [
+    ("return", True, 0), ("exit-0", True, 0), ("raise", False, 1), ("with", False, 1), ("finally", False, 1),
+    ("signal", False, 3), ("signal-finally", False, 3), ("nan-finally", True, 1)])
+def test_a_rank_that_ends_by_an_error_is_failed_not_finished(coordinator, tmp_path, ending, finished, returncode):
+    """The goodbye says how the process ended: a script that returns (or exits with 0) is finished;
+    one ended by an uncaught exception (at exit, leaving ``with guard`` by it, or closing the guard in
+    a ``finally`` on its way out) or by a non-zero exit code (a signal handler's ``sys.exit(3)``) is
+    failed at once. nanguard's own stop through a ``finally`` reads finished, as before."""
     coordinator.start()
     script = tmp_path / "guarded.py"
     script.write_text(GUARDED_SCRIPT)
     done = subprocess.run([sys.executable, str(script), ending], capture_output=True, text=True, timeout=90,
                           env=coordinator.env(NANGUARD_COORDINATOR=coordinator.address))
-    assert (done.returncode == 0) == finished, done.stderr[-3000:]
+    assert done.returncode == returncode, done.stderr[-3000:]
     row = request(coordinator.address, None, "status_request", {}, timeout_s=20).body["ranks"][0]
     assert (row["finished"], row["failed"], row["alive"]) == (finished, not finished, False), row
     assert coordinator.value("nanguard_ranks_failed") == (0 if finished else 1)
