@@ -21,6 +21,7 @@ uncaught, or leaving a ``with guard:`` block, they read failed, as before.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 
 from ..errors import NonFiniteError, StopRequested
 
-_holders: list[object] = []
+_holders: set[object] = set()
 """one token per open coordinator link: the wrapper goes when the last one is released"""
 _original: Callable[..., Any] | None = None
 _asked: Any = None
@@ -39,17 +40,16 @@ def hold() -> Callable[[], None]:
     """A coordinator link opens: wrap ``sys.exit`` (once, whatever the number of links). Returns
     what its close calls (once or more: only the first call counts)."""
     global _original
-    token = object()
-    _holders.append(token)
     if sys.exit is not _exit:
         _original, sys.exit = sys.exit, _exit
-    return lambda: _release(token)
+    token = object()
+    _holders.add(token)
+    return functools.partial(_release, token)
 
 
 def _release(token: object) -> None:
-    if token in _holders:
-        _holders.remove(token)
-    if not _holders and sys.exit is _exit:
+    _holders.discard(token)
+    if sys.exit is _exit and not _holders:
         sys.exit = _original
 
 
