@@ -1,12 +1,16 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test`
 # (`make tools` first installs the tools that the deploy tests check against; .ci/run does).
-# Each creates .venv and installs what it needs into it.
+# Each creates .venv and installs what it needs into it. While working: `make test-fast`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# what make test-fast runs: the tests in none of the tiers (tests/tiers.py says which test is in which)
+FAST := not processes and not realworld and not deploy and not slow
+# pytest-xdist workers of make test-fast (`make test-fast WORKERS=auto` on a bigger machine)
+WORKERS ?= 2
 
-.PHONY: demo test docs bench tools clean
+.PHONY: demo test test-fast lint docs bench tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +22,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/nanguard demo
 
-test: $(STAMP)
+# the whole suite, serially (torchrun jobs take both cores), after the lint: what CI runs
+test: lint
 	$(PY) -m pytest -q
+
+# under a minute on two cores: the tests that start no process, need no third-party framework nor
+# deploy tool, and take no seconds each
+test-fast: lint
+	$(PY) -m pytest -q -n $(WORKERS) -m "$(FAST)"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
 
 # Debian's prometheus, alertmanager and shellcheck, which the deploy tests run (root, apt-get)
 tools:

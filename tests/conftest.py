@@ -2,14 +2,49 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import tiers
+from _pytest.mark.expression import Expression  # what -m is compiled to (pytest has no public name for it)
 
 MODES = ("sentinel", "full")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(tiers.ProcessWatch(), "nanguard-process-watch")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module whose every test is in a tier that ``-m`` leaves out is not even imported (Lightning or
+    transformers alone take seconds): so it is for every tier its tests may be in besides."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
+        return None
+    certain = tiers.file_tiers(collection_path)
+    others = [tier for tier in tiers.TIERS if tier not in certain]
+    expression = Expression.compile(markexpr)
+    if certain and not any(expression.evaluate(lambda name, **_: name in certain or name in extra)
+                           for extra in (set(c) for n in range(len(others) + 1)
+                                         for c in itertools.combinations(others, n))):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks each test with its tiers (tests/tiers.py says how they are read from its code), before
+    ``-m`` selects: ``make test-fast`` runs what is in none of them."""
+    reader = tiers.Reader()
+    for item in items:
+        for tier in sorted(tiers.tiers_of(item, reader)):
+            if item.get_closest_marker(tier) is None:
+                item.add_marker(tier)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

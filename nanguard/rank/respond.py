@@ -71,7 +71,7 @@ class Responder:
         """whether a model given to the guard has been freed (set by the guard)"""
         self.step_part: Callable[[], int] = lambda: 0
         """how many optimizer steps of the step came before the one stopped (set by the guard)"""
-        self.guarded_params: Callable[[], list[torch.Tensor]] = lambda: []
+        self.guarded_params: Callable[[], list[torch.Tensor]] = list
         """the trainable parameters of the guarded models (set by the guard)"""
         self.step_inputs = step_inputs
         self.buffers = buffers
