@@ -21,6 +21,7 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.realworld  # (the framework is imported by the interpreter it starts: tests/tiers.py cannot see it)
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("framework, modules", [("lightning", ("lightning", "pytorch_lightning")),
                                                 ("transformers", ("transformers",))])
