@@ -34,10 +34,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name in ("Guard", "init"):
-        from .rank import guard
+    if name == "Guard":
+        from .rank.guard import Guard
 
-        return getattr(guard, name)
+        return Guard
+    if name == "init":
+        from .api import init
+
+        return init
     if name == "integrations":  # (nanguard.integrations.lightning... with a plain `import nanguard`)
         import importlib
 

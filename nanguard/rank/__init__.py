@@ -1,6 +1,7 @@
 """The rank side: what runs inside every training process.
 
-    guard.py      Guard and init(): lifecycle and wiring (hooks, optimizer step, the step's flow)
+    guard.py      Guard: lifecycle and wiring (hooks, optimizer step, the step's flow); start() opens
+                  the guard nanguard.init asks for (nanguard/api.py, which chooses its observer)
     observer.py   StepObserver: what a guard tells of its steps (the replay implements it)
     detector.py   the forward hooks: one exact probe per checked tensor, no host sync
     backward.py   DDP buckets before their all-reduce; gradients as the backward pass leaves them

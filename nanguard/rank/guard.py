@@ -21,15 +21,15 @@ from torch import nn
 
 from .._dist import Collectives, RankInfo, settle_gloo_workers
 from ..config import Settings
-from ..errors import ConfigError, GuardClosedError, NanguardError
+from ..errors import GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
-from ..replay import Replay, StepObserver, watch_exit
 from . import ending, outcome, resume
 from .decision import Decider, StepClock
 from .detector import Detector
 from .records import StepLog
 from .modules import ddp_inner, unwrap_optimizer
+from .observer import StepObserver
 from .optimizers import OptimizerWatch
 from .patches import patch_scaler_update
 from .reporter import Reporter, connect
@@ -62,7 +62,7 @@ class Guard:
         self._observer = observer or StepObserver()
         self._events = EventLog(settings.max_events)
         sentinel = settings.mode == "sentinel"
-        verdict = not isinstance(self._observer, Replay)  # (a replay is the verdict of its own)
+        verdict = not self._observer.replays  # (a replay is the verdict of its own)
         saves_batches = settings.capture is not False and settings.capture_batch
         self._detector = Detector(skip_types=settings.skip_types, skip_modules=settings.skip_modules,
                                   detail_bytes=int(settings.detail_mb * 2**20),
@@ -75,7 +75,7 @@ class Guard:
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)
-                        if wanted and not isinstance(self._observer, Replay) else Reporter())
+                        if wanted and not self._observer.replays else Reporter())
         self._reporter = reporter
         self._respond = Responder(settings, self._identity, self._collectives, self._reporter, self._events,
                                   dict(states or {}), on_stop,
@@ -401,7 +401,8 @@ def _let_go(handles: list[Any], registrations: list[Any], reporter: Reporter, gu
     _GONE.append((handles, registrations, reporter, guard_id))
 
 
-def _forget_gone() -> None:
+def forget_gone() -> None:
+    """Let go of the guards gone without ``close()`` (``_GONE``): ``nanguard.init`` does it first."""
     while _GONE:
         handles, registrations, reporter, guard_id = _GONE.pop()
         for handle in [*handles, *registrations]:
@@ -410,34 +411,24 @@ def _forget_gone() -> None:
         REGISTRY.forget(guard_id)
 
 
-def init(model: nn.Module | None = None,
-         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-         *, on_stop: Callable[[Exception], Any] | None = None, scaler: Any = None,
-         scheduler: Any = None, **overrides: Any) -> Guard:
-    """Guard ``model`` and ``optimizer``; with no model, every module and optimizer of the process.
-
-    Settings come from ``overrides``, else ``NANGUARD_*`` variables, else defaults (see
-    ``nanguard.config.Settings``). ``on_stop(error)`` is called on every rank at the common
-    stop step, before the error is raised, for a checkpoint in the team's own format.
-    ``scaler`` (a GradScaler) and ``scheduler`` (an LR scheduler) are saved in incidents too.
-    """
-    _forget_gone()
-    settings = Settings.resolve(overrides)
+def init_arguments(model: Any, optimizer: Any, on_stop: Any, scaler: Any,
+                   scheduler: Any) -> tuple[list[torch.optim.Optimizer], dict[str, Any]]:
+    """``nanguard.init``'s arguments checked: the optimizers to guard, and the states saved in
+    incidents too (``scaler``, ``scheduler``); TypeError or NanguardError on those that cannot work."""
     optimizers = _checked_arguments(model, optimizer, on_stop)
     states = {name: obj for name, obj in (("scaler", scaler), ("scheduler", scheduler)) if obj is not None}
     for name, obj in states.items():
         if not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"nanguard.init: {name} must have a state_dict() method (a GradScaler,"
                             f" an LR scheduler); got {type(obj).__name__}")
-    observer = None
-    if settings.replay is not None:
-        if settings.disable:
-            raise ConfigError("NANGUARD_REPLAY and NANGUARD_DISABLE are both set: a replay needs the"
-                              " guard; unset one of them")
-        # checks the whole incident before touching anything
-        collectives = Collectives()
-        observer = Replay.open(settings, collectives.rank, collectives.world_size)
-        settings = observer.forensic(settings)
+    return optimizers, states
+
+
+def start(model: nn.Module | None, optimizers: list[torch.optim.Optimizer], settings: Settings,
+          on_stop: Callable[[Exception], Any] | None, states: dict[str, Any],
+          observer: StepObserver | None) -> Guard:
+    """The guard ``nanguard.init`` opens (``nanguard/api.py``, which chooses its observer): a disabled
+    one, or one that holds its models (or, with none, the process) until it closes."""
     if settings.disable:
         _log.warning("nanguard: disabled (NANGUARD_DISABLE=1, or init(disable=True)): nothing in this process is"
                      " checked, and a non-finite value reaches the weights unseen")
@@ -452,8 +443,6 @@ def init(model: nn.Module | None = None,
         REGISTRY.claim_process(guard)
     # until it closes, an uncaught stop ends the rank with one line and torchrun's error file
     guard._undo.append(ending.hold())
-    if observer is not None:
-        watch_exit(observer)
     return guard
 
 

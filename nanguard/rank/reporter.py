@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from .. import __version__
 from .._dist import Collectives, RankInfo
+from .._version import __version__
 from ..config import Settings
 from ..events import Event
 from . import outcome

@@ -1,33 +1,18 @@
-"""The shape of the package: imports flow one way, and no class or function grows past what a
-newcomer can read (docs/architecture.md, "Layout")."""
+"""The shape of the package: no class or function grows past what a newcomer can read
+(docs/architecture.md, "Layout"). That imports flow one way (the rank side imports neither the
+coordinator nor prometheus_client, among others) is the contracts of .importlinter, which
+tests/unit/test_imports.py runs."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
-import sys
 
 import nanguard
 
 PACKAGE = pathlib.Path(nanguard.__file__).parent
 MAX_CLASS_LINES = 260
 MAX_FUNCTION_LINES = 55
-
-
-def imported_in_fresh_interpreter(modules: list[str]) -> set[str]:
-    code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
-            "print(' '.join(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    return set(out.stdout.split())
-
-
-def test_the_rank_side_never_imports_prometheus_client_nor_the_coordinator():
-    loaded = imported_in_fresh_interpreter(
-        ["nanguard", "nanguard.rank.guard", "nanguard.replay", "nanguard.client", "nanguard.incident"])
-    assert "torch" in loaded
-    assert "prometheus_client" not in loaded
-    assert not any(name.startswith("nanguard.coordinator") for name in loaded)
 
 
 def test_no_class_or_function_outgrows_a_reading():
