@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .._torch import foreach_norm, queue_callback
 from .._tree import floating_tensors
 from . import forensics
 from .records import StepLog, gradless, version_of
@@ -208,8 +209,11 @@ class BackwardWatch:
 
     def _queue_end(self) -> None:
         if not self._queued:
+            try:
+                queue_callback(self._ended)
+            except RuntimeError:  # (none in this torch: the decision measures them as they are then)
+                return
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self) -> None:
         """The backward pass is over: the gradients as it left them, their norms from one fused
@@ -273,8 +277,8 @@ def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], 
     # norm does not take (sparse) raises, and goes the general way
     if set(map(type, grads)) == {torch.Tensor}:
         try:  # (autograd off: a gradient made with create_graph has a graph, not followed)
-            return owners, list(gradless(torch._foreach_norm, grads))
+            return owners, list(gradless(foreach_norm, grads))
         except RuntimeError:
             pass
     grads = [forensics.plain(g.coalesce().values() if g.is_sparse else g) for g in grads]
-    return owners, list(torch._foreach_norm(grads))
+    return owners, list(foreach_norm(grads))

@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                     register_module_parameter_registration_hook)
 
+from .._torch import graph_task_id
 from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
 from .backward import BackwardWatch, keep_summed, probe
@@ -69,7 +70,7 @@ read (about 17 us inside a small MLP's step here) costs more than the memory it 
 they hold more than half the detail budget, which the next micro-batch needs"""
 _logger = logging.getLogger("nanguard")
 _transformed = forensics.transformed
-_graph_task = torch._C._current_graph_task_id
+_graph_task = graph_task_id
 """-1 outside a backward pass"""
 
 

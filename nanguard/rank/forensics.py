@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from .._torch import functorch_wrapped
 
-transformed = torch._C._functorch.is_functorch_wrapped_tensor
+transformed = functorch_wrapped
 """whether a tensor is one of torch.func's inside a transform (vmap, grad): it holds no value to read,
 and must not outlive the transform"""
 

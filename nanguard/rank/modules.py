@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch import dynamo_disable
+
 # Wrappers whose child is the user's model: their attribute name is left out of layer names. The
 # first three also prefix the wrapped model's state_dict keys, so a capture saves the inner model.
 _WRAPPERS = {
@@ -141,4 +143,4 @@ def untraced(work: Callable[..., Any]) -> Callable[..., Any]:
     stays on for the frames they call even outside tracing. There it is a graph break, once a
     call, instead of Python bookkeeping traced (that Dynamo cannot trace, or would recompile for);
     elsewhere it costs about 0.3 us a call here."""
-    return torch._dynamo.disable(work, recursive=True)
+    return dynamo_disable(work)

@@ -21,11 +21,14 @@ from typing import Any
 import torch
 from torch.nn.utils import stateless
 
+from .._torch import reparametrize_module
+
 _listeners: weakref.WeakSet = weakref.WeakSet()
 """what is told of each call given weights (``Detector.handed``)"""
 _in_force: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
 """the calls given weights that are running, innermost last"""
-_reparametrize = stateless._reparametrize_module
+_reparametrize = reparametrize_module()
+"""torch's own (None where this torch has none: calls given weights are then not told apart)"""
 
 
 @contextmanager
@@ -44,15 +47,18 @@ def _handing(module: torch.nn.Module, parameters_and_buffers: dict[str, torch.Te
 
 def watch_handed_weights(listener: Any) -> SimpleNamespace:
     """Tell ``listener.handed(module, weights)`` of every call run with weights it is handed; returns a
-    handle whose ``remove()`` undoes it, as a hook's does. torch's function is wrapped once, for good:
-    with no listener the wrapper only passes through."""
-    stateless._reparametrize_module = _handing
+    handle whose ``remove()`` undoes it, as a hook's does: torch's own function is put back when the
+    last listener is removed (where this torch has none, nothing is wrapped: ``_torch``)."""
+    if _reparametrize is not None:
+        stateless._reparametrize_module = _handing
     _listeners.add(listener)
     held = weakref.ref(listener)  # (the handle is the listener's own: no cycle back to it)
 
     def remove() -> None:
         if (alive := held()) is not None:
             _listeners.discard(alive)
+        if not _listeners and stateless.__dict__.get("_reparametrize_module") is _handing:
+            stateless._reparametrize_module = _reparametrize
 
     return SimpleNamespace(remove=remove)
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch import any_autocast_enabled
+from .._torch import set_grad_enabled as _set_grad_enabled
 from ..incident.rng import cuda_in_use
 
 _UNTRACKED = itertools.count(-1, -1)
@@ -36,11 +38,11 @@ def gradless(op, *args, **kwargs):
     manager costs several us inside a training step here, more than many of the ops it guards."""
     if not torch.is_grad_enabled():
         return op(*args, **kwargs)
-    torch._C._set_grad_enabled(False)
+    _set_grad_enabled(False)
     try:
         return op(*args, **kwargs)
     finally:
-        torch._C._set_grad_enabled(True)
+        _set_grad_enabled(True)
 
 
 def changed_since(versions: dict[str, tuple[int, int]], name: str, tensor: torch.Tensor) -> bool:
@@ -341,7 +343,7 @@ def concat(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-_any_autocast = torch._C._is_any_autocast_enabled
+_any_autocast = any_autocast_enabled
 _default_generator = torch.default_generator
 """(one call, where asking each device costs a few us on every micro-batch)"""
 

@@ -25,6 +25,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
+from .._torch import current_autograd_node
 from .._tree import floating_tensors
 from ..rank import forensics
 from ..rank.modules import plain_names, type_name
@@ -192,7 +193,7 @@ class OpWatch:
 
     def _judge(self, func, name: str, args: tuple, kwargs: dict, before: dict[str, Any],
                bad: torch.Tensor) -> None:
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         phase = "forward" if node is None else "backward"
         if self._kept[phase, False] >= LIMIT and self._kept[phase, True] >= LIMIT:
             return
