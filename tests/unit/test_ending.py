@@ -3,12 +3,12 @@ torch's own reader, one short line on the console, and every other exception lef
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -60,11 +60,14 @@ def test_an_unwritable_error_file_is_said_not_raised(tmp_path, caplog):
     assert "could not write torchrun's error file" in caplog.text
 
 
-def test_the_hook_chains_to_the_previous_one_and_goes_with_the_last_guard(monkeypatch, mlp):
-    model, optimizer, guard = mlp  # (its guard holds the hook)
+def test_the_hook_chains_to_the_previous_one_and_goes_with_the_last_guard(monkeypatch):
+    # (guards of this test only: one that another test left open would hold the hook too)
+    monkeypatch.setattr(ending, "_holds", weakref.WeakSet())
+    monkeypatch.setattr(ending, "_previous", ending._previous)  # (put back after, with the hook)
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args[1]))
-    other = nanguard.init(torch.nn.Linear(2, 2), None)  # installs the hook over the recorder
+    guard = nanguard.init(torch.nn.Linear(2, 2), None)  # installs the hook over the recorder
+    other = nanguard.init(torch.nn.Linear(2, 2), None)
     hook = sys.excepthook
     error = ValueError("the script's own")
     hook(ValueError, error, None)
@@ -77,7 +80,6 @@ def test_the_hook_chains_to_the_previous_one_and_goes_with_the_last_guard(monkey
         finally:
             guard.close()  # the last guard, closed while a stop is on its way out: the hook stays
     assert sys.excepthook is hook
-    gc.collect()  # (guards of earlier tests that were never closed let go of the hook as they go)
     again = nanguard.init(torch.nn.Linear(2, 2), None)
     again.close()
     assert sys.excepthook is not hook  # the last guard closed with nothing on its way out
