@@ -94,8 +94,10 @@ def format_status(status: dict, now: float) -> str:
     else:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stop["time"]))
         why = p(stop["origin"]) + (f", counted as {p(stop['counted_as'])}" if "counted_as" in stop else "")
-        lines.append(f"stop: command {p(stop['command_id'])} ({why}) at {when}: {p(stop['reason'])}; "
-                     f"acked by {len(stop['acked'])} of {len(status['ranks'])} rank(s)")
+        of = "" if "job" not in stop else f" of job {p(stop['job'])}" + (
+            "" if stop["restart"] is None else f" restart {stop['restart']}")
+        lines.append(f"stop: command {p(stop['command_id'])}{of} ({why}) at {when}: {p(stop['reason'])}; "
+                     f"acked by {len(stop['acked'])} of {len(status['ranks'])} rank(s); nanguard clear lifts it")
     return "\n".join(lines)
 
 
@@ -115,6 +117,20 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _clear(args: argparse.Namespace) -> int:
+    from ._text import printable
+
+    reply = _ask(args, "clear_request", {"reason": args.reason})
+    if isinstance(reply, int):
+        return reply
+    if reply.body["command_id"] is None:
+        print("No stop was standing; nothing changed.")
+    else:
+        print(f"Stop command {printable(reply.body['command_id'])} lifted: ranks that register from now on run "
+              "(ranks already stopping still stop).")
+    return 0
+
+
 def _keys(args: argparse.Namespace) -> int:
     from .curve import keypair
 
@@ -129,9 +145,9 @@ _DESCRIPTION = ("nanguard stops a distributed PyTorch job at the first NaN or In
                 "and saves what is needed to replay that step.")
 _COORDINATOR_ENVIRONMENT = (
     "environment: NANGUARD_TOKEN, the shared secret every rank holds (needed to listen on a non-loopback "
-    "address, unless --insecure); NANGUARD_OPERATOR_TOKEN, which nanguard stop must show once it is set (ranks "
-    "do not hold it); NANGUARD_CURVE_SECRET_KEY, to encrypt the ranks' link with CurveZMQ (nanguard keys makes "
-    "a pair)")
+    "address, unless --insecure); NANGUARD_OPERATOR_TOKEN, which nanguard stop and clear must show once it is "
+    "set (ranks do not hold it); NANGUARD_CURVE_SECRET_KEY, to encrypt the ranks' link with CurveZMQ (nanguard "
+    "keys makes a pair)")
 _OPERATOR_ENVIRONMENT = ("environment: NANGUARD_COORDINATOR (the address), NANGUARD_TOKEN and "
                          "NANGUARD_OPERATOR_TOKEN as the coordinator has them, NANGUARD_CURVE_PUBLIC_KEY "
                          "if it uses CurveZMQ")
@@ -139,7 +155,9 @@ _OPERATOR_ENVIRONMENT = ("environment: NANGUARD_COORDINATOR (the address), NANGU
 
 def _operator_commands(commands, loopback: str) -> None:
     for name, func, text in (("status", _status, "show the ranks and the stop state of a job"),
-                             ("stop", _stop, "stop every rank of a job at one common step")):
+                             ("stop", _stop, "stop every rank of a job at one common step"),
+                             ("clear", _clear, "lift a job's standing stop, so that its restarts and "
+                                               "launches run")):
         verb = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                                    epilog=_OPERATOR_ENVIRONMENT)
         verb.add_argument("--coordinator", help="coordinator address (default: $NANGUARD_COORDINATOR, else "
@@ -150,7 +168,8 @@ def _operator_commands(commands, loopback: str) -> None:
         if name == "status":
             verb.add_argument("--json", action="store_true", help="print the reply as JSON")
         else:
-            verb.add_argument("--reason", required=True, help="why: shown to every rank and in the log")
+            verb.add_argument("--reason", required=True, help="why: in the coordinator's log" + (
+                "" if name == "clear" else " and shown to every rank"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,10 @@ never blocking, never failing when the coordinator is down, late, gone or hostil
 itself). On every new connection it sends a ``handshake``; the coordinator's ``welcome`` names
 its instance, which every later message is addressed to, starting with this rank's ``hello``.
 Then it sends the queued events in batches, a ``heartbeat`` every ``heartbeat_s``, and acks the
-coordinator's ``stop`` commands, handing each new one to ``on_stop``. A coordinator that has not
+coordinator's ``stop`` commands, handing each new one to ``on_stop``. Events are numbered; what the
+coordinator has not said it ``received`` is kept (at most ``queue_size`` of them: past that, new
+events wait in the queue) and sent again on the next connection, or after ``_RESEND_AFTER_S``
+without an answer: a reset connection loses no event (ZeroMQ drops what it held for it). A coordinator that has not
 welcomed this rank for a few heartbeats (not running, another token or CurveZMQ key) is said once,
 on the log, with the likely causes, and its return once more (``Silence``). Events that cannot be queued
 or sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
@@ -32,7 +35,9 @@ from zmq.utils.monitor import recv_monitor_message
 from . import curve
 from .errors import ProtocolError
 from .events import Event, json_float
-from .protocol import ACTIONS, IDENTITY_FIELDS, STOP_REASONS, check_curve_key, parse_address
+from .protocol import (ACTIONS, IDENTITY_FIELDS, OPTIONAL_IDENTITY_FIELDS, STOP_REASONS, check_curve_key,
+                       parse_address)
+from ._throttle import Throttle
 from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body, wire_event
 
 log = logging.getLogger("nanguard.client")
@@ -50,6 +55,14 @@ _SILENT_TURNS = 3
 """the link is said to be down after this many heartbeats (or handshakes, if longer) unanswered"""
 _RETRY_SOCKET_S = 5.0
 """how long the thread waits before making a new socket after ZeroMQ failed on the last one"""
+_RESEND_AFTER_S = 5.0
+"""events sent and not received for this long (no ``received`` came) are sent again"""
+_LINK_DEAD_S = 15.0
+"""a connection that carries nothing for this long (not even ZeroMQ's pings, sent every heartbeat)
+is closed and made again, on both sides: after a partition TCP itself may wait minutes to resend"""
+
+Numbered = tuple[int, Event, str]
+"""(the event's number in this session, the event, the action)"""
 
 OnStop = Callable[[str, str, str], None]
 
@@ -68,6 +81,16 @@ class Outbox:
         self._queue: queue.Queue[tuple[Event, str]] = queue.Queue(queue_size)
         self._latest: tuple[int, float | None, float | None] = (0, None, None)
         self._carry: tuple[Event, str] | None = None
+        self._window = queue_size
+        """the most events sent and not received (past it, new events wait in the queue)"""
+        self._next = 0
+        """the number of the next event taken from the queue"""
+        self.unreceived: deque[Numbered] = deque()
+        """sent, and not yet received by the coordinator: oldest first"""
+        self._again: deque[Numbered] = deque()
+        """to send again, before any new event"""
+        self._answered_at = 0.0
+        """when the coordinator last said it received more (or the first unreceived event was sent)"""
         self._dropped_queued = 0
         """dropped by the training thread (queue full); under _drop_lock"""
         self.dropped_sent = 0
@@ -110,30 +133,92 @@ class Outbox:
                 "step_time_s": step_time_s, "dropped": self.dropped, "grad_norm": json_float(grad_norm)}
 
     def empty(self) -> bool:
-        return not self.control and self._carry is None and self._queue.empty()
+        """Nothing waits to be sent (events sent and not received may still come back)."""
+        return not self.control and self._carry is None and not self._again and self._queue.empty()
 
-    def take_batch(self) -> list[tuple[Event, str]]:
-        """Up to MAX_EVENTS queued events that share one action."""
-        batch = [self._carry] if self._carry is not None else []
-        self._carry = None
-        while len(batch) < MAX_EVENTS:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if batch and item[1] != batch[0][1]:
+    def settled(self) -> bool:
+        """Everything was sent, and every event received."""
+        return self.empty() and not self.unreceived
+
+    def take_batch(self) -> list[Numbered]:
+        """Up to MAX_EVENTS events with consecutive numbers that share one action: those to send
+        again first, else queued ones while fewer than the window are unreceived."""
+        if self._again:
+            return self._take_again()
+        room = min(MAX_EVENTS, self._window - len(self.unreceived))
+        batch: list[Numbered] = []
+        while len(batch) < room:
+            if self._carry is not None:
+                item, self._carry = self._carry, None
+            else:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch and item[1] != batch[0][2]:
                 self._carry = item
                 break
-            batch.append(item)
+            batch.append((self._next, *item))
+            self._next += 1
         return batch
 
+    def _take_again(self) -> list[Numbered]:
+        batch = [self._again.popleft()]
+        while self._again and len(batch) < MAX_EVENTS:
+            number, _, action = self._again[0]
+            if number != batch[-1][0] + 1 or action != batch[0][2]:
+                break
+            batch.append(self._again.popleft())
+        return batch
+
+    def sent(self, batch: list[Numbered], now: float) -> None:
+        """``batch`` is on its way: kept until the coordinator says it received it."""
+        if not self.unreceived:
+            self._answered_at = now
+        self.unreceived.extend(batch)
+
+    def unsent(self, batch: list[Numbered]) -> None:
+        """``batch`` could not be sent now: first in line next time."""
+        self._again.extendleft(reversed(batch))
+
+    def received(self, count: int, now: float) -> None:
+        """The coordinator holds every event numbered below ``count``."""
+        if self.unreceived and self.unreceived[0][0] < count:
+            self._answered_at = now
+        while self.unreceived and self.unreceived[0][0] < count:
+            self.unreceived.popleft()
+        while self._again and self._again[0][0] < count:
+            self._again.popleft()
+
+    def send_again(self, now: float | None = None) -> None:
+        """Send every unreceived event again: always (a new connection: what ZeroMQ held for the
+        last one is gone), or at ``now`` when none was received for ``_RESEND_AFTER_S``."""
+        if now is not None and (not self.unreceived or now - self._answered_at < _RESEND_AFTER_S):
+            return
+        if now is not None:
+            self._answered_at = now
+        self._again = deque(sorted([*self.unreceived, *self._again], key=lambda item: item[0]))
+        self.unreceived.clear()
+
+    def goodbye(self, clean: bool) -> None:
+        """The last heartbeat (the last step, and every event dropped) and the ``bye``, after the rest."""
+        self.control.append(("heartbeat", self.heartbeat()))
+        self.control.append(("bye", {"rank": self.identity["rank"], "job": self.identity["job"], "clean": clean}))
+
     def drop_unsent(self) -> tuple[int, int]:
-        """Forget what is left (closing): (events, other messages but ``bye``)."""
-        events = 0
-        while batch := self.take_batch():
-            events += len(batch)
+        """Forget the events left, unsent or unreceived, counted as dropped (closing): (events,
+        other messages but the goodbye's)."""
+        events = len(self.unreceived) + len(self._again) + (self._carry is not None) + self._queue.qsize()
+        self.unreceived.clear()
+        self._again.clear()
+        self._carry = None
+        while not self._queue.empty():
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
         self.dropped_sent += events
-        return events, sum(type_ != "bye" for type_, _ in self.control)
+        return events, sum(type_ not in ("bye", "heartbeat") for type_, _ in self.control)
 
 
 class Link:
@@ -170,8 +255,8 @@ class Link:
         return self.codec.encode(type_, body, to=self.instance)
 
     def read(self, frames: list[bytes], now: float) -> Message:
-        """A message from the coordinator: a ``welcome`` (then ``instance`` is set) or a ``stop``
-        of the welcoming instance; raises ProtocolError for anything else."""
+        """A message from the coordinator: a ``welcome`` (then ``instance`` is set), or a ``stop`` or
+        ``received`` of the welcoming instance; raises ProtocolError for anything else."""
         message = self.codec.decode(frames)
         self._replay.check(message, now)
         if message.type == "welcome":
@@ -180,10 +265,10 @@ class Link:
                 raise ProtocolError(f"a welcome from {message.sender} that answers no handshake of this "
                                     "connection", reason="replayed")
             self.instance = message.sender
-        elif message.type == "stop":
+        elif message.type in ("stop", "received"):
             if message.sender != self.instance:
-                raise ProtocolError(f"a stop from {message.sender}, not from the coordinator instance that "
-                                    f"welcomed this connection ({self.instance})", reason="instance")
+                raise ProtocolError(f"a {message.type} from {message.sender}, not from the coordinator instance "
+                                    f"that welcomed this connection ({self.instance})", reason="instance")
         else:
             raise ProtocolError(f"a {message.type} message does not travel to a rank", reason="schema")
         return message
@@ -219,32 +304,34 @@ class _Sender:
         if now >= self.next_heartbeat:
             self._one(sock, "heartbeat", self._outbox.heartbeat())
             self.next_heartbeat = now + self.heartbeat_s
+        self._outbox.send_again(now)
         for _ in range(_BATCHES_PER_TURN):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
                 return False  # ZeroMQ's buffer is full: the events wait in the queue
             batch = self._outbox.take_batch()
             if not batch:
-                return True
-            if not self._events(sock, batch):
+                return self._outbox.empty()
+            if not self._events(sock, batch, now):
                 return False
         return False
 
-    def _events(self, sock: zmq.Socket, batch: list[tuple[Event, str]]) -> bool:
-        body = {"rank": self._identity["rank"], "job": self._identity["job"],
-                "events": [wire_event(event.to_dict(compact=True)) for event, _ in batch], "action": batch[0][1]}
+    def _events(self, sock: zmq.Socket, batch: list[Numbered], now: float) -> bool:
+        body = {"rank": self._identity["rank"], "job": self._identity["job"], "first": batch[0][0],
+                "events": [wire_event(event.to_dict(compact=True)) for _, event, _ in batch], "action": batch[0][2]}
         try:
             frames = self._link.encode("events", body)
         except (TypeError, ValueError) as exc:  # over MAX_BYTES, or a value JSON cannot hold
             if len(batch) == 1:
-                self._outbox.dropped_sent += 1
+                self._outbox.dropped_sent += 1  # (its number is a gap the coordinator passes over)
                 self._warn("unsendable", f"nanguard: an event that cannot be sent to the coordinator "
-                           f"was dropped ({exc}): {batch[0][0]}")
+                           f"was dropped ({exc}): {batch[0][1]}")
                 return True
             half = len(batch) // 2  # halves until the culprit is alone
-            return self._events(sock, batch[:half]) and self._events(sock, batch[half:])
+            return self._events(sock, batch[:half], now) and self._events(sock, batch[half:], now)
         if not self._frames(sock, frames):
-            self._outbox.dropped_sent += len(batch)
+            self._outbox.unsent(batch)
             return False
+        self._outbox.sent(batch, now)
         return True
 
     def _one(self, sock: zmq.Socket, type_: str, body: dict[str, Any]) -> bool:
@@ -264,6 +351,43 @@ class _Sender:
         except zmq.Again:
             return False
         return True
+
+
+class _Closing:
+    """What ``close`` asks of the client thread: the events first, until the coordinator holds them
+    all or half the time is gone; then what is left counts as dropped, and the last heartbeat (which
+    says so) and the goodbye go; the thread ends once they are sent, or when the time is up."""
+
+    def __init__(self, clean: bool, timeout_s: float):
+        now = time.monotonic()
+        self.clean = clean
+        self.bye_at, self.deadline = now + 0.5 * timeout_s, now + 0.8 * timeout_s
+        self._said = False
+
+    def next(self, outbox: Outbox, done: bool, reachable: bool) -> str | None:
+        """After a turn: "goodbye" (say it now), "end" (the thread ends), or None (not yet)."""
+        now = time.monotonic()
+        if not self._said:
+            if outbox.settled() or not reachable or now >= self.bye_at:
+                self._said = True
+                return "goodbye"
+            return None
+        return "end" if done or not reachable or now >= self.deadline else None
+
+
+def _dealer_options(sock: zmq.Socket, heartbeat_s: float) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.RCVHWM, 64)
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    # ZeroMQ's own pings: a connection silent for _LINK_DEAD_S is closed here (TIMEOUT) and at the
+    # coordinator (TTL, which the pings carry), and this side connects again
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(max(1.0, heartbeat_s) * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(_LINK_DEAD_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(_LINK_DEAD_S * 1000))
 
 
 class Silence:
@@ -327,8 +451,9 @@ class Client:
                  curve_public_key: str | None = None, context: zmq.Context | None = None):
         parse_address(address)  # ValueError: says what an address looks like
         missing = [name for name in IDENTITY_FIELDS if name not in identity]
-        if missing or set(identity) - set(IDENTITY_FIELDS):
-            raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)}; "
+        if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
+            raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
+                             f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); "
                              f"got {', '.join(sorted(identity))}")
         try:
             check_body("hello", identity)
@@ -351,10 +476,12 @@ class Client:
         self._sender = _Sender(self._outbox, self._link, self.identity, heartbeat_s, self._warn)
         self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
         self._connected = False
+        self._welcomed = False
+        """a coordinator welcomed this rank once (closing then waits for it to come back)"""
         self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
-        self._warned_at: dict[str, float] = {}
+        self._throttle = Throttle(_WARN_EVERY_S)
         self._stopping = threading.Event()
-        self._close_deadline = math.inf
+        self._closing: _Closing | None = None
         self._thread: threading.Thread | None = None
 
     # --- training thread ------------------------------------------------------------------
@@ -403,10 +530,7 @@ class Client:
         thread = self._thread
         if thread is None or self._stopping.is_set():
             return
-        # the last step reached, which a heartbeat period may not have shown yet, then goodbye
-        self._outbox.control.append(("heartbeat", self._outbox.heartbeat()))
-        self._control_message("bye", {"clean": bool(clean)})
-        self._close_deadline = time.monotonic() + 0.8 * timeout_s
+        self._closing = _Closing(bool(clean), timeout_s)
         self._stopping.set()
         if thread is threading.current_thread():
             return  # from on_stop: the thread ends when the callback returns
@@ -450,13 +574,7 @@ class Client:
         self._link.reset()
         self._silence.down(time.monotonic())
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
-            sock.setsockopt(zmq.SNDHWM, 64)
-            sock.setsockopt(zmq.RCVHWM, 64)
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            _dealer_options(sock, self._sender.heartbeat_s)
             if self._curve_public_key is not None:
                 curve.connect(sock, self._curve_public_key)
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -465,7 +583,7 @@ class Client:
             sock.connect(self.address)
             self._loop(sock, monitor)
         finally:
-            linger_s = max(0.0, self._close_deadline - time.monotonic()) if self._stopping.is_set() else 0
+            linger_s = max(0.0, self._closing.deadline - time.monotonic()) if self._stopping.is_set() else 0
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -477,9 +595,6 @@ class Client:
         poller.register(monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(_POLL_S * 1000))
-            # read before the turn: close() queues its bye before it sets the flag, so a turn that
-            # began after the flag was set has seen the bye (a "done" from before it has not)
-            stopping = self._stopping.is_set()
             try:
                 done = self._turn(sock, monitor, ready)
             except zmq.ZMQError:
@@ -488,10 +603,15 @@ class Client:
                 self._warn("internal", "nanguard: the coordinator link failed on a turn; it goes on",
                            exc_info=True)
                 done = False
-            if stopping and (done or not self._connected or time.monotonic() >= self._close_deadline):
-                if not done:
-                    self._drop_unsent()
-                return
+            if not self._stopping.is_set():
+                continue
+            # a coordinator never reached is not waited for; one that was may be back in a moment
+            step = self._closing.next(self._outbox, done, reachable=self._connected or self._welcomed)
+            if step is not None:
+                self._drop_unsent()
+                if step == "end":
+                    return
+                self._outbox.goodbye(self._closing.clean)
 
     def _turn(self, sock: zmq.Socket, monitor: zmq.Socket, ready: dict) -> bool:
         """Read what arrived, send what is due; True when nothing is left to send."""
@@ -535,11 +655,16 @@ class Client:
                            f"{self.address}: {exc}")
                 continue
             if message.type == "welcome":
+                self._welcomed = True
                 if said := self._silence.up(time.monotonic()):
                     log.warning("%s", said)
-                # introduce this rank to the instance, first in line
+                # introduce this rank to the instance, first in line; then what this rank sent and
+                # was not received (ZeroMQ dropped what it held for the last connection)
                 self._outbox.control.appendleft(("hello", self.identity))
+                self._outbox.send_again()
                 self._sender.next_heartbeat = 0.0
+            elif message.type == "received":
+                self._outbox.received(message.body["events"], now)
             else:
                 self._on_stop_command(message.body)
 
@@ -558,11 +683,10 @@ class Client:
     def _drop_unsent(self) -> None:
         events, others = self._outbox.drop_unsent()
         if events or others:
-            log.warning("nanguard: closing with %d event(s) and %d other message(s) not sent to the "
-                        "coordinator at %s", events, others, self.address)
+            log.warning("nanguard: closing with %d event(s) and %d other message(s) not sent to (or not "
+                        "received by) the coordinator at %s; the events are counted as dropped",
+                        events, others, self.address)
 
     def _warn(self, key: str, text: str, *, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._warned_at.get(key, -math.inf) >= _WARN_EVERY_S:
-            self._warned_at[key] = now
+        if self._throttle.allow(key)[0]:
             log.warning("%s", text, exc_info=exc_info)

@@ -71,6 +71,9 @@ failed on it (a bug, logged with its traceback)"""
 
 # --- who a rank is (the body of its ``hello``) -------------------------------------------------
 IDENTITY_FIELDS = ("rank", "local_rank", "world_size", "host", "pid", "job", "device", "version")
+OPTIONAL_IDENTITY_FIELDS = ("restart",)
+"""what a hello may add: ``restart``, TORCHELASTIC_RESTART_COUNT (which tells a torchrun restart of a
+launch from a new launch of the same run id; ranks of earlier releases do not say it)"""
 MAX_JOB_LENGTH = 128
 
 

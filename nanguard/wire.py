@@ -17,11 +17,18 @@ nobody (``to`` is empty); its ``welcome`` tells the sender the coordinator's ins
 way each type travels:
 
     rank -> coordinator       handshake, hello, heartbeat, events, captured, stopped, ack, bye
-    coordinator -> rank       welcome, stop
-    operator -> coordinator   handshake, status_request, stop_request
-    coordinator -> operator   welcome, status, stop_accepted, refused
+    coordinator -> rank       welcome, stop, received
+    operator -> coordinator   handshake, status_request, stop_request, clear_request
+    coordinator -> operator   welcome, status, stop_accepted, cleared, refused
 
 Version 1 had no ``to``, one token for everyone and a ``bye`` without ``clean``.
+
+Delivery of events: a rank numbers the events of its session from 0 and says the number of a
+batch's first one (``events.first``); the coordinator answers each such batch with ``received``
+(how many of the session's events it holds: every number below ``events``), drops what it already
+holds (a batch sent again after a lost answer), and never answers a batch without ``first`` (a rank
+of an earlier release, which keeps no events for sending again). The rank keeps what is not yet
+received, bounded, and sends it again on its next connection.
 
 Every body is checked against its schema on decode; anything else is a ``ProtocolError`` whose
 ``reason`` (one of ``protocol.WIRE_REASONS``) says which check failed. Nothing here imports torch.
@@ -226,7 +233,8 @@ _STATUS_RANK = _object({
 _STOP_STATE = _object({
     "command_id": _COMMAND_ID, "origin": _text(16, ORIGINS), "reason": _REASON, "time": _TIMESTAMP,
     "acked": _list(_RANK, 0, MAX_RANK),
-}, {"counted_as": _text(16, STOP_REASONS)})  # (the reason nanguard_stops_total counts it under)
+}, {"counted_as": _text(16, STOP_REASONS),  # (the reason nanguard_stops_total counts it under)
+    "job": _JOB, "restart": _optional(_COUNT)})  # the incarnation it stopped
 
 SCHEMAS: dict[str, Check] = {
     # rank or operator -> coordinator, and its answer
@@ -234,12 +242,13 @@ SCHEMAS: dict[str, Check] = {
     "welcome": _object({"handshake_seq": _COUNT}),
     # rank -> coordinator
     "hello": _object(dict(zip(IDENTITY_FIELDS, (_RANK, _RANK, _WORLD, _HOST, _PID, _JOB, _text(64),
-                                                 _text(64))))),
+                                                 _text(64)))),
+                     {"restart": _COUNT}),  # TORCHELASTIC_RESTART_COUNT; ranks of earlier releases omit it
     "heartbeat": _object({"rank": _RANK, "world_size": _WORLD, "job": _JOB, "host": _HOST, "pid": _PID,
                           "step": _COUNT, "step_time_s": _optional(_SECONDS), "dropped": _COUNT,
                           "grad_norm": _GRAD_NORM}),
     "events": _object({"rank": _RANK, "job": _JOB, "events": _list(_event, 1, MAX_EVENTS)},
-                      {"action": _text(8, ACTIONS)}),
+                      {"action": _text(8, ACTIONS), "first": _COUNT}),
     "captured": _object({"rank": _RANK, "job": _JOB, "step": _COUNT, "incident": _text(4096)}),
     "stopped": _object({"rank": _RANK, "job": _JOB, "step": _COUNT,
                         "reason": _text(16, STOP_REASONS)}),
@@ -247,12 +256,15 @@ SCHEMAS: dict[str, Check] = {
     "bye": _object({"rank": _RANK, "job": _JOB, "clean": _boolean}),
     # coordinator -> rank
     "stop": _object({"command_id": _COMMAND_ID, "reason": _REASON, "origin": _text(16, ORIGINS)}),
+    "received": _object({"rank": _RANK, "events": _COUNT}),
     # operator <-> coordinator
     "status_request": _object({}),
     "status": _object({"job": _optional(_JOB), "ranks": _list(_STATUS_RANK, 0, MAX_RANK),
                        "stop": _optional(_STOP_STATE)}),
     "stop_request": _object({"reason": _REASON}),
     "stop_accepted": _object({"command_id": _COMMAND_ID, "existing": _boolean}),
+    "clear_request": _object({"reason": _REASON}),
+    "cleared": _object({"command_id": _optional(_COMMAND_ID)}),  # the stop lifted; null: none stood
     "refused": _object({"reason": _REASON}),
 }
 TYPES = tuple(SCHEMAS)

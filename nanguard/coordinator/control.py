@@ -1,12 +1,14 @@
-"""One operator request to the coordinator and its reply: what ``nanguard status`` and
-``nanguard stop`` send.
+"""One operator request to the coordinator and its reply: what ``nanguard status``, ``nanguard stop``
+and ``nanguard clear`` send.
 
-    operator -> coordinator   handshake                   coordinator -> operator   welcome
-    operator -> coordinator   status_request|stop_request coordinator -> operator   status|stop_accepted|refused
+    operator -> coordinator   handshake        coordinator -> operator   welcome
+    operator -> coordinator   status_request   coordinator -> operator   status
+                              stop_request                               stop_accepted | refused
+                              clear_request                              cleared | refused
 
 The handshake learns the coordinator's instance id; the request is addressed to it, so a captured
 request is refused by any other coordinator and by this one after a restart. Signed with
-NANGUARD_OPERATOR_TOKEN when the operator holds it (a stop needs it), else with NANGUARD_TOKEN.
+NANGUARD_OPERATOR_TOKEN when the operator holds it (a stop or a clear needs it), else with NANGUARD_TOKEN.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..errors import CoordinatorUnreachable, ProtocolError, RequestRefused
 from ..protocol import parse_address
 from ..wire import MAX_STATUS_BYTES, Codec, Message
 
-REPLIES = {"status_request": "status", "stop_request": "stop_accepted"}
+REPLIES = {"status_request": "status", "stop_request": "stop_accepted", "clear_request": "cleared"}
 MAX_TIMEOUT_S = 86400.0
 """the longest an operator request waits for its answer: a day"""
 
@@ -41,9 +43,10 @@ def check_timeout(value: object, name: str) -> float:
 def request(address: str, token: str | None, type_: str, body: dict[str, Any], *,
             operator_token: str | None = None, curve_public_key: str | None = None,
             timeout_s: float = 5.0, context: zmq.Context | None = None) -> Message:
-    """Send one ``status_request`` or ``stop_request`` to ``address``; return the reply.
+    """Send one operator request (``REPLIES``) to ``address``; return the reply.
 
-    Raises RequestRefused when the coordinator refuses it (a stop without the operator token), and
+    Raises RequestRefused when the coordinator refuses it (a stop or a clear without the operator
+    token), and
     CoordinatorUnreachable when nothing valid comes back within ``timeout_s`` (the coordinator
     drops a request whose MAC does not match, so a wrong token looks the same).
     """

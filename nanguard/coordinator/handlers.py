@@ -1,14 +1,19 @@
 """What each message does once it is decoded, authenticated, addressed to this instance and new.
 
     rank -> coordinator       handshake, hello, heartbeat, events, captured, stopped, ack, bye
-    operator -> coordinator   handshake, status_request, stop_request
+    operator -> coordinator   handshake, status_request, stop_request, clear_request
+
+A batch of events that says its ``first`` number is answered with ``received`` (how many of the
+rank session's events this coordinator holds), and what it already holds is dropped, so a batch
+sent again after a lost answer or a reset connection counts once (``wire.py``, delivery).
 
 A handler refuses a message by raising ProtocolError with the reason it is counted under
 (``protocol.BAD_MESSAGE_REASONS``); the server counts it and nothing else happens. Who may send
 what: a ``handshake`` anyone with a valid credential; rank messages a rank (``Message.role`` is
 ``rank``, or None where ranks need no token), and only for the rank whose session said hello
-(``RankTable.speaker``); ``status_request`` a rank or an operator; ``stop_request`` only an
-operator, or anyone where the coordinator holds no secret at all (loopback or --insecure).
+(``RankTable.speaker``); ``status_request`` a rank or an operator; ``stop_request`` and
+``clear_request`` only an operator, or anyone where the coordinator holds no secret at all (loopback
+or --insecure).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ RANK_TYPES = frozenset(("hello", "heartbeat", "events", "captured", "stopped", "
 _NOT_REPRODUCED_VERDICTS = frozenset(("device", "transient"))
 """the ``protocol.VERDICTS_IN_JOB`` that blame the rank's device (bad again there, clean on a peer's) or
 chance (clean when re-run): with ``reproduced`` false, what ``nanguard_transient_events_total`` counts"""
-_NO_OPERATOR_TOKEN = ("stopping a job needs the operator credential: set NANGUARD_OPERATOR_TOKEN on the "
+_NO_OPERATOR_TOKEN = ("{} needs the operator credential: set NANGUARD_OPERATOR_TOKEN on the "
                       "coordinator and in the operator's environment (ranks never hold it)")
 
 
@@ -56,9 +61,12 @@ class Handlers:
         self._operator_gate = operator_gate
         self._sync_soon = sync_soon
         self._rank_handlers = {
-            "heartbeat": self._on_heartbeat, "events": self._on_events, "captured": self._on_captured,
+            "heartbeat": self._on_heartbeat, "captured": self._on_captured,
             "stopped": self._on_stopped, "ack": self._on_ack, "bye": self._on_bye,
         }
+        self._held: dict[int, tuple[str, int]] = {}
+        """rank -> (its session, how many of that session's numbered events are held): what
+        ``received`` answers; one entry per rank, forgotten with its job"""
 
     def handle(self, message: Message, identity: bytes, at: Instant) -> None:
         """Apply ``message``, which came over the connection ``identity``; ProtocolError refuses it."""
@@ -75,12 +83,17 @@ class Handlers:
             else:
                 state = self.ranks.speaker(message.body["rank"], message.sender)
                 self.ranks.seen(state, identity, at)
-                self._rank_handlers[type_](state, message.body, at)
+                if type_ == "events":
+                    self._on_batch(state, message, identity, at)
+                else:
+                    self._rank_handlers[type_](state, message.body, at)
         elif type_ == "status_request":
             self._reply(identity, message, "status", {"job": self.ranks.job, "ranks": self.ranks.status(),
                                                       "stop": self.stops.status()})
         elif type_ == "stop_request":
             self._on_stop_request(message, identity, at)
+        elif type_ == "clear_request":
+            self._on_clear_request(message, identity)
         else:
             raise ProtocolError(f"a {type_} message does not travel to the coordinator", reason="unexpected")
 
@@ -92,17 +105,41 @@ class Handlers:
 
     def _on_hello(self, message: Message, identity: bytes, at: Instant) -> None:
         hello = self.ranks.hello(message.sender, identity, message.body, at)
+        if self.stops.admitted(hello.admission):  # a new incarnation, and a standing stop lifted for it
+            self.policy.reset()
         if hello.admission is Admission.NEW_JOB:
             self.stops.reset()
             self.policy.reset()
+            self._held.clear()
         if hello.new_session:
             self.stops.registered(hello.state, at)
 
     def _on_heartbeat(self, state, body: dict[str, Any], at: Instant) -> None:
         self.ranks.heartbeat(state, body, at)
 
-    def _on_events(self, state, body: dict[str, Any], at: Instant) -> None:
-        events, action = body["events"], body.get("action")
+    def _on_batch(self, state, message: Message, identity: bytes, at: Instant) -> None:
+        """An ``events`` message: the events this coordinator does not hold yet, and, for a numbered
+        batch, the answer that says how many it holds."""
+        body = message.body
+        first, events = body.get("first"), body["events"]
+        if first is None:  # a rank of an earlier release: nothing to answer, nothing to tell apart
+            self._on_events(state, events, body.get("action"), at)
+            return
+        session, held = self._held.get(state.rank, (state.sender, 0))
+        if session != state.sender:  # a new process for this rank: numbered from 0 again
+            held = 0
+        # below ``held``: sent again after an answer was lost; above it: numbers the rank gave up
+        # on (its queue was full), which its heartbeat counts as dropped
+        new = events[max(0, held - first):]
+        if new:
+            self._on_events(state, new, body.get("action"), at)
+        else:
+            log.debug("rank %d sent events %d to %d again; already held", state.rank, first, first + len(events) - 1)
+        held = max(held, first + len(events))
+        self._held[state.rank] = (state.sender, held)
+        self._reply(identity, message, "received", {"rank": state.rank, "events": held})
+
+    def _on_events(self, state, events: list[dict[str, Any]], action: str | None, at: Instant) -> None:
         state.events += len(events)
         kinds = Counter(map(itemgetter("kind"), events))
         # a rank speaks for itself: its events count under its own rank, whatever they say inside
@@ -147,10 +184,27 @@ class Handlers:
     def _on_bye(self, state, body: dict[str, Any], at: Instant) -> None:
         self.ranks.bye(state, body["clean"], at)
 
-    def _on_stop_request(self, message: Message, identity: bytes, at: Instant) -> None:
+    def _operator_only(self, message: Message, identity: bytes, what: str) -> None:
+        """Refuse (``forbidden``, and a ``refused`` answer) a request without the operator credential."""
         if message.role != "operator" and (self._operator_gate or message.role is not None):
-            self._reply(identity, message, "refused", {"reason": _NO_OPERATOR_TOKEN})
-            raise ProtocolError(f"a stop request from {message.sender} without the operator credential",
+            self._reply(identity, message, "refused", {"reason": _NO_OPERATOR_TOKEN.format(what)})
+            raise ProtocolError(f"a {message.type} from {message.sender} without the operator credential",
                                 reason="forbidden")
+
+    def _on_stop_request(self, message: Message, identity: bytes, at: Instant) -> None:
+        self._operator_only(message, identity, "stopping a job")
         command, made = self.begin_stop("operator", message.body["reason"], "operator", at)
         self._reply(identity, message, "stop_accepted", {"command_id": command.command_id, "existing": not made})
+
+    def _on_clear_request(self, message: Message, identity: bytes) -> None:
+        self._operator_only(message, identity, "lifting a job's stop")
+        command = self.stops.clear()
+        if command is None:
+            log.info("operator %s asked to lift the job's stop, but none stands (%s)", message.sender,
+                     message.body["reason"])
+        else:
+            self.policy.reset()
+            log.warning("operator %s lifted the stop of %s (command %s: %s): %s; ranks that register from now "
+                        "on run", message.sender, command.incarnation, command.command_id, command.reason,
+                        message.body["reason"])
+        self._reply(identity, message, "cleared", {"command_id": None if command is None else command.command_id})

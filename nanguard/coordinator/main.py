@@ -22,6 +22,7 @@ from .metrics import MetricsServer
 from .policy import Policy
 from .ranks import DEFAULT_MAX_WORLD_SIZE
 from .server import Coordinator
+from .stop import ON_RESTART
 
 DEFAULT_LOG = "nanguard-coordinator.jsonl"
 DEFAULT_LOG_MAX_MB = 256.0
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="state file that keeps the job's stop across a restart of the coordinator, "
                              "written atomically when the stop changes (default: beside the log, "
                              "LOG without .jsonl plus .state.json)")
+    parser.add_argument("--on-restart", choices=ON_RESTART, default="stop",
+                        help="what a torchrun restart of a stopped launch gets (same run id, a higher "
+                             "TORCHELASTIC_RESTART_COUNT): stop (default: it would replay the steps that "
+                             "went non-finite, so the stop holds and it stops at its first step) or run. A new "
+                             "launch (restart count back to 0, or new ranks once every rank of the stopped "
+                             "launch ended) always runs; nanguard clear lifts a stop by hand")
     parser.add_argument("--job", help="serve only this job id (default: the first one a rank names)")
     parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE,
                         help="refuse jobs of more ranks than this (default %(default)s)")
@@ -136,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                                   policy=policy, job=args.job, max_world_size=args.max_world_size,
                                   dead_after_s=args.dead_after_s, stall_after_s=args.stall_after_s,
                                   context=context, state_path=state_path, log_keep=args.log_keep,
-                                  log_max_bytes=int(args.log_max_mb * 1e6) or None)
+                                  log_max_bytes=int(args.log_max_mb * 1e6) or None, on_restart=args.on_restart)
     except ValueError as exc:
         print(f"nanguard coordinator: {exc}; not started", file=sys.stderr)
         return 2
@@ -189,10 +196,11 @@ def _warn_about_access(token: str | None, operator_token: str | None, metrics_ho
     """Say at start who can do what with the secrets given (README, Security)."""
     log = logging.getLogger("nanguard.coordinator")
     if operator_token is None and token is not None:
-        log.warning("no NANGUARD_OPERATOR_TOKEN: `nanguard stop` is refused (stopping a job needs the "
-                    "operator credential, which ranks never hold); `nanguard status` works with NANGUARD_TOKEN")
+        log.warning("no NANGUARD_OPERATOR_TOKEN: `nanguard stop` and `nanguard clear` are refused (stopping a "
+                    "job or lifting its stop needs the operator credential, which ranks never hold); `nanguard "
+                    "status` works with NANGUARD_TOKEN")
     elif operator_token is None:
         log.warning("no NANGUARD_TOKEN nor NANGUARD_OPERATOR_TOKEN: whoever reaches the port can act as a "
-                    "rank and stop the job (fine for a loopback port on a machine of your own)")
+                    "rank, stop the job and lift its stop (fine for a loopback port on a machine of your own)")
     if not is_loopback(f"tcp://[{metrics_host}]:1" if ":" in metrics_host else f"tcp://{metrics_host}:1"):
         log.info("/metrics on %s has no authentication: keep that interface private", metrics_host)

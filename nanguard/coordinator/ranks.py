@@ -6,11 +6,18 @@ number to the session that sent it (``Message.sender``), and every later message
 must come from that session (else it is refused as ``unregistered``). A restarted rank process is
 a new session: its hello takes the rank over.
 
-The first hello names the job incarnation: its job id and world size (at most
-``max_world_size``); ranks outside the world size are refused (``out_of_range``). A hello of another
-job, or of the same job with another world size, is refused (``wrong_job``) while any rank of the
-current incarnation is alive and not finished; once every rank is dead, failed or finished, it
-starts the next incarnation (the job id never changes when it was pinned).
+The first hello names the job incarnation: its job id, world size (at most ``max_world_size``) and
+launch; ranks outside the world size are refused (``out_of_range``). A hello of another job, or of
+the same job with another world size, is refused (``wrong_job``) while any rank of the current
+incarnation is alive and not finished; once every rank is dead, failed or finished, it starts the
+next incarnation (the job id never changes when it was pinned). Within one job id, a hello's
+``restart`` (TORCHELASTIC_RESTART_COUNT) tells a launch's restarts apart from a new launch:
+
+    higher than the incarnation's           torchrun restarted the launch's workers (RESTARTED)
+    lower or the same, from a new process,  a new launch (NEW_JOB): torchrun's run id is the same
+      once every rank has ended             ("none") for every launch that does not set one; lower
+                                            while ranks are alive: refused (``wrong_job``)
+    not said (a rank of an earlier release) as before this field: the same incarnation
 
 A rank is dead after ``dead_after_s`` without a message, failed at once when it says an unclean
 ``bye`` (its process ended by an error), finished after a clean ``bye``, and stalled when it is
@@ -91,8 +98,12 @@ class Admission(enum.Enum):
 
     ACCEPTED = "accepted"
     NEW_JOB = "new_job"
-    """the last incarnation is over and this one replaced it: the table is empty, and whatever else
-    belonged to the last one (its stop, the policy's memory) must be forgotten too"""
+    """the last incarnation is over and this one replaced it (another job, or a new launch of the same
+    one): the table is empty, and whatever else belonged to the last one (its stop, the policy's
+    memory) must be forgotten too"""
+    RESTARTED = "restarted"
+    """torchrun restarted the workers of the incarnation served (same job, a higher restart count):
+    the ranks stay in the table, and what the restart gets of a standing stop is ``--on-restart``'s"""
 
 
 class Hello(NamedTuple):
@@ -125,6 +136,7 @@ class RankTable:
         self._job = job
         self._pinned = job is not None
         self._world_size: int | None = None
+        self._restart: int | None = None
         self._ranks: dict[int, RankState] = {}
         self._finished_said = 0
         """the finished count last logged (jobs of more than QUIET_ABOVE_RANKS ranks)"""
@@ -138,6 +150,12 @@ class RankTable:
     def world_size(self) -> int | None:
         """the world size of the incarnation served, or None before its first hello"""
         return self._world_size
+
+    @property
+    def restart(self) -> int | None:
+        """the restart count (TORCHELASTIC_RESTART_COUNT) of the incarnation served, or None when its
+        ranks did not say it"""
+        return self._restart
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -154,8 +172,10 @@ class RankTable:
                                 f"coordinator's --max-world-size {self.max_world_size}", reason="out_of_range")
         if rank >= world_size:
             raise ProtocolError(f"hello of rank {rank} in a world of {world_size}", reason="out_of_range")
-        admission = self._admit(body["job"], world_size)
         state = self._ranks.get(rank)
+        admission = self._admit(body["job"], world_size, body.get("restart"),
+                                new_session=state is None or state.sender != sender)
+        state = self._ranks.get(rank)  # None again when a new incarnation emptied the table
         new_session = state is None or state.sender != sender
         if state is None:
             state = self._ranks[rank] = RankState(rank, routing_id, sender, step_changed_at=at.mono)
@@ -173,33 +193,62 @@ class RankTable:
         self.seen(state, routing_id, at)
         return Hello(state, new_session, admission)
 
-    def _admit(self, job: str, world_size: int) -> Admission:
+    def _admit(self, job: str, world_size: int, restart: int | None, *, new_session: bool) -> Admission:
         if self._world_size is None and (self._job is None or job == self._job):
-            self._job, self._world_size = job, world_size
-            log.info("job %s, world size %d", job, world_size)
+            self._job, self._world_size, self._restart = job, world_size, restart
+            log.info("job %s, world size %d%s", job, world_size, "" if restart is None else f", restart {restart}")
             return Admission.ACCEPTED
         if job == self._job and world_size == self._world_size:
-            return Admission.ACCEPTED
+            return self._launch(restart, new_session)
         if self._pinned and job != self._job:
             raise ProtocolError(f"hello of job {job!r}, but this coordinator serves only job {self._job!r}",
                                 reason="wrong_job")
-        if not all(r.finished or r.failed or not r.alive for r in self._ranks.values()):
+        if not self._ended():
             raise ProtocolError(f"hello of job {job!r} with world size {world_size}, but this coordinator "
                                 f"serves job {self._job!r} of world size {self._world_size} and it still has "
                                 "ranks alive", reason="wrong_job")
         log.info("job %s (world size %s) ended: every rank dead, failed or finished; job %s of world size "
                  "%d starts", self._job, self._world_size, job, world_size)
+        return self._replace(job, world_size, restart)
+
+    def _launch(self, restart: int | None, new_session: bool) -> Admission:
+        """What a hello of the job and world size served, with ``restart``, makes of the incarnation."""
+        served = self._restart
+        if restart is None or not new_session:  # not said, or a process already registered reconnects
+            return Admission.ACCEPTED
+        if served is None:  # ranks that did not say it before: nothing to compare with
+            self._restart = restart
+            return Admission.ACCEPTED
+        if restart > served:  # (torchrun ends every worker first, though some may not have said bye)
+            log.info("job %s: torchrun restarted its workers (restart %d, was %d)", self._job, restart, served)
+            self._restart = restart
+            return Admission.RESTARTED
+        # an empty table is one restored from the state file: its ranks reconnect, not a new launch
+        if restart == served and (not self._ranks or not self._ended()):
+            return Admission.ACCEPTED
+        if not self._ended():  # as for another job: a rank's word must not end a launch that lives
+            raise ProtocolError(f"hello of a new launch of job {self._job!r} (restart {restart}), but the launch "
+                                f"served (restart {served}) still has ranks alive", reason="wrong_job")
+        log.info("job %s: a new launch (restart %d) replaces the one served (restart %d), every rank of which "
+                 "ended", self._job, restart, served)
+        return self._replace(self._job, self._world_size, restart)
+
+    def _ended(self) -> bool:
+        return all(r.finished or r.failed or not r.alive for r in self._ranks.values())
+
+    def _replace(self, job: str, world_size: int, restart: int | None) -> Admission:
         self.metrics.new_job(list(self._ranks))
         self._ranks.clear()
-        self._job, self._world_size = job, world_size
+        self._job, self._world_size, self._restart = job, world_size, restart
         return Admission.NEW_JOB
 
-    def restore(self, job: str, world_size: int) -> bool:
-        """Serve the incarnation ``job`` of ``world_size`` ranks that an earlier coordinator served
-        (its state file); False, with nothing changed, when this table is pinned to another job."""
+    def restore(self, job: str, world_size: int, restart: int | None = None) -> bool:
+        """Serve the incarnation ``job`` of ``world_size`` ranks (launch ``restart``) that an earlier
+        coordinator served (its state file); False, with nothing changed, when this table is pinned to
+        another job."""
         if self._pinned and job != self._job:
             return False
-        self._job, self._world_size = job, world_size
+        self._job, self._world_size, self._restart = job, world_size, restart
         return True
 
     def speaker(self, rank: int, sender: str) -> RankState:

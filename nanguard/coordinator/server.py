@@ -2,8 +2,8 @@
 
     rank -> coordinator       handshake, hello, heartbeat, events, captured, stopped, ack, bye
     coordinator -> rank       welcome, stop
-    operator -> coordinator   handshake, status_request, stop_request
-    coordinator -> operator   welcome, status, stop_accepted, refused
+    operator -> coordinator   handshake, status_request, stop_request, clear_request
+    coordinator -> operator   welcome, status, stop_accepted, cleared, refused
 
 The loop decodes each message (``wire.Codec``: authenticated, addressed to this instance),
 refuses replays, and hands it to ``handlers.py``; the rank table (``ranks.py``) keeps who is there,
@@ -72,6 +72,7 @@ class Coordinator:
     stalled; ``resend_s``: how often an unacked stop command is sent again. ``state_path``: the
     state file that keeps the job's stop across restarts (``state.py``; None: none);
     ``log_max_bytes`` and ``log_keep``: when the event log rotates and how many old ones are kept.
+    ``on_restart``: what a torchrun restart of a stopped launch gets, ``stop`` or ``run`` (``stop.py``).
     """
 
     def __init__(self, bind: str, *, token: str | None, registry: CollectorRegistry, log_path: str,
@@ -79,7 +80,8 @@ class Coordinator:
                  policy: Policy | None = None, job: str | None = None,
                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE, dead_after_s: float = 15.0,
                  stall_after_s: float = 300.0, resend_s: float = 0.2, context: zmq.Context | None = None,
-                 state_path: str | None = None, log_max_bytes: int | None = None, log_keep: int = 4):
+                 state_path: str | None = None, log_max_bytes: int | None = None, log_keep: int = 4,
+                 on_restart: str = "stop"):
         # checked before the metrics exist: a refused coordinator leaves the registry empty
         require_positive(dead_after_s=dead_after_s, stall_after_s=stall_after_s, resend_s=resend_s)
         parse_address(bind, bind=True)  # ZeroMQ would take tcp://host:99999 as another port
@@ -104,7 +106,8 @@ class Coordinator:
         self._clock = LoopClock()
         ranks = RankTable(self.metrics, job=job, max_world_size=max_world_size, dead_after_s=dead_after_s,
                           stall_after_s=stall_after_s)
-        stops = StopFanout(ranks, self.metrics, self._encode_to_rank, self._send, resend_s=resend_s)
+        stops = StopFanout(ranks, self.metrics, self._encode_to_rank, self._send, resend_s=resend_s,
+                           on_restart=on_restart)
         self._handlers = Handlers(ranks=ranks, stops=stops, policy=self.policy, metrics=self.metrics,
                                   reply=self._reply, sync_soon=self._sync_soon,
                                   operator_gate=self._codec.holds("rank") or self._codec.holds("operator"))
@@ -212,7 +215,7 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a bug must cost one message, not the daemon
             self._bad.internal(identity, at)
         else:
-            if message.role == "operator" or message.type == "stop_request":
+            if message.role == "operator" or message.type in ("stop_request", "clear_request"):
                 self._replay.trust(message, OPERATOR)
             elif message.type in RANK_TYPES:
                 self._replay.trust(message, RANK)
@@ -293,7 +296,8 @@ class _StateFile:
         self.path = path
         self._metrics = metrics
         self._trouble = LogTrouble(path or "", metrics.log_errors.inc)
-        self._saved: StopCommand | None = None
+        self._saved: tuple[StopCommand | None, int | None] = (None, None)
+        """the stop and the restart count last written"""
 
     def restore(self, ranks: RankTable, stops: StopFanout) -> None:
         """The stop saved by an earlier run, back in ``stops`` (its job's ranks are stopped again
@@ -307,24 +311,24 @@ class _StateFile:
             return
         if saved is None or saved.stop is None:
             return
-        if not ranks.restore(saved.job, saved.world_size):
+        if not ranks.restore(saved.job, saved.world_size, saved.restart):
             log.warning("the state file %s holds a stop of job %s, but this coordinator serves only job %s: "
                         "not restored", self.path, saved.job, ranks.job)
             return
         stops.restore(saved.stop)
-        self._saved = saved.stop
+        self._saved = saved.stop, saved.restart
         self._metrics.job_stopped.set(1)
-        log.warning("job %s (world size %d) was stopped before this coordinator started (%s: %s; state file %s): "
-                    "its ranks are told to stop again as they reconnect", saved.job, saved.world_size,
+        log.warning("%s (world size %d) was stopped before this coordinator started (%s: %s; state file %s): "
+                    "its ranks are told to stop again as they reconnect", saved.stop.incarnation, saved.world_size,
                     saved.stop.origin, saved.stop.reason, self.path)
 
     def save_if_changed(self, ranks: RankTable, stops: StopFanout) -> None:
-        command = stops.command
-        if command is self._saved or self.path is None:
+        now = stops.command, ranks.restart
+        if self.path is None or now[0] is self._saved[0] and now[1] == self._saved[1]:
             return
-        self._saved = command
+        self._saved = now
         try:
-            write_state(self.path, SavedState(ranks.job, ranks.world_size, command))
+            write_state(self.path, SavedState(ranks.job, ranks.world_size, now[0], now[1]))
         except OSError as exc:
             self._trouble.failed("write the state file", exc)
         else:

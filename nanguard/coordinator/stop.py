@@ -11,6 +11,12 @@ time up to ``MAX_RESEND_S`` (16,384 ranks that ack slowly must not get 16,384 si
 times a second), and to every rank session that registers later (a restarted rank must stop too). Each copy is addressed to the session of
 its rank (``to``), so none can be played to another rank or a later run. The socket stays the
 server's: sending is a function passed in.
+
+A stop holds for the incarnation it stopped (``ranks.py``: the job id, its world size, its launch).
+What a new incarnation gets (``admitted``): a torchrun restart of the stopped launch the stop again
+(``on_restart="stop"``, the default: the restart would replay the steps that went non-finite) or a
+run (``"run"``); a new launch, or another job, always runs. An operator lifts a standing stop with
+``clear`` (``nanguard clear``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 from .clock import Instant, require_positive
 from .metrics import Metrics
-from .ranks import RankState, RankTable
+from .ranks import Admission, RankState, RankTable
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -38,6 +44,8 @@ FIRST_RANKS = 8
 all-reduces the stop flag at its next step, so the job stops as soon as one of them has it; eight
 recent ones, not the first eight rank numbers, so that a dead or stalled rank cannot hold it up (the
 rest follow in the same pass, and the resends reach any that missed it)"""
+ON_RESTART = ("stop", "run")
+"""what a torchrun restart of a stopped launch gets (``--on-restart``)"""
 MAX_RESEND_S = 2.0
 """the longest wait between two copies of the stop to a rank that has not acked"""
 
@@ -59,20 +67,33 @@ class StopCommand:
     counted_as: str = "policy"
     """the reason ``nanguard_stops_total`` counts it under (``STOP_REASONS``)"""
     acked: set[int] = field(default_factory=set)
+    job: str | None = None
+    """the job it stopped (None: decided before any rank said hello)"""
+    restart: int | None = None
+    """the restart count of the launch it stopped (None: its ranks did not say it)"""
 
     def status(self) -> dict[str, Any]:
         """The ``stop`` of a ``status`` reply (coordinator -> operator)."""
         return {"command_id": self.command_id, "origin": self.origin, "reason": self.reason,
-                "time": self.time, "acked": sorted(self.acked), "counted_as": self.counted_as}
+                "time": self.time, "acked": sorted(self.acked), "counted_as": self.counted_as,
+                **({} if self.job is None else {"job": self.job, "restart": self.restart})}
+
+    @property
+    def incarnation(self) -> str:
+        """The incarnation it stopped, in words."""
+        return f"job {self.job}" + ("" if self.restart is None else f" restart {self.restart}")
 
 
 class StopFanout:
     """The current job's stop command, if any, and who still has to ack it."""
 
     def __init__(self, ranks: RankTable, metrics: Metrics, encode: Encode, send: Send, *,
-                 resend_s: float = 0.2):
+                 resend_s: float = 0.2, on_restart: str = "stop"):
         require_positive(resend_s=resend_s)
+        if on_restart not in ON_RESTART:
+            raise ValueError(f"on_restart={on_restart!r} must be one of {', '.join(ON_RESTART)}")
         self.resend_s = resend_s
+        self.on_restart = on_restart
         self.command: StopCommand | None = None
         self.next_resend = math.inf
         """monotonic time when unacked ranks get the command again (inf: none pending)"""
@@ -88,7 +109,8 @@ class StopFanout:
         and sent to every unfinished rank); the existing command and False after that."""
         if self.command is not None:
             return self.command, False
-        command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall, label)
+        command = self.command = StopCommand(secrets.token_hex(8), origin, reason[:500], at.wall, label,
+                                             job=self._ranks.job, restart=self._ranks.restart)
         self._wait_s = self.resend_s
         self._metrics.stop(label)
         targets = self._ranks.unfinished()
@@ -126,10 +148,35 @@ class StopFanout:
         (``registered``); it is not counted again."""
         self.command = command
 
+    def admitted(self, admission: Admission) -> bool:
+        """A hello made ``admission`` of the incarnation served: keep the standing stop for it or lift
+        it, and say which at INFO; True when a stop was lifted (what else it held goes too)."""
+        command = self.command
+        if admission is Admission.ACCEPTED or command is None:
+            return False
+        now = f"job {self._ranks.job}" + ("" if self._ranks.restart is None else f" restart {self._ranks.restart}")
+        if admission is Admission.RESTARTED and self.on_restart == "stop":
+            log.info("the stop of %s (command %s: %s) holds for its torchrun restart, %s (--on-restart stop; "
+                     "`nanguard clear` lifts it)", command.incarnation, command.command_id, command.reason, now)
+            return False
+        why = ("its torchrun restart, --on-restart run" if admission is Admission.RESTARTED
+               else "a new launch" if self._ranks.job == command.job else "another job")
+        log.info("the stop of %s (command %s) is lifted for %s (%s)", command.incarnation, command.command_id,
+                 now, why)
+        self.reset()
+        return True
+
+    def clear(self) -> StopCommand | None:
+        """An operator lifts the standing stop: the command lifted, or None when none stood."""
+        command = self.command
+        self.reset()
+        return command
+
     def reset(self) -> None:
         """A new job starts: it has not been stopped."""
         self.command = None
         self.next_resend = math.inf
+        self._metrics.job_stopped.set(0)
 
     def status(self) -> dict[str, Any] | None:
         return None if self.command is None else self.command.status()

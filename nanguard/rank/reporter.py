@@ -72,7 +72,7 @@ class CoordinatorReporter(Reporter):
         hello = {"rank": group.rank, "local_rank": identity.local_rank, "world_size": group.world_size,
                  "host": identity.host, "pid": identity.pid, "job": identity.job,
                  "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
-                 "version": __version__}
+                 "version": __version__, "restart": identity.restart}
         self._client = Client(settings.coordinator, token=settings.token, identity=hello,
                               queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
                               on_stop=self._on_stop, curve_public_key=settings.curve_public_key)

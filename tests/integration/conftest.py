@@ -180,11 +180,15 @@ class Launcher:
         return self.spawn(script, *args, nproc=nproc, out_dir=out_dir, env=env).wait(timeout)
 
     def spawn(self, script: str | Path, *args: str, nproc: int = 2, out_dir: Path | None = None,
-              env: dict[str, str] | None = None) -> Running:
-        """``standalone`` without waiting for the job."""
+              env: dict[str, str] | None = None, max_restarts: int = 0, run_id: bool = True) -> Running:
+        """``standalone`` without waiting for the job; ``max_restarts``: torchrun's; ``run_id=False``:
+        torchrun's default rendezvous (static, on a free port) and run id, ``none`` (where --standalone
+        picks a new one per launch)."""
         out_dir = out_dir or self.tmp_path / f"out{self._count + 1}"
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc), "--max-restarts", "0",
+        rendezvous = ["--standalone"] if run_id else [
+            "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+                "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
                 str(WORKERS / script), str(out_dir), *args]
         return self._spawn([(argv, base_env(self.tmp_path, **(env or {})))], out_dir)
 

@@ -184,6 +184,32 @@ def test_control_messages_and_bye(coordinator, make_client):
     assert coordinator.until("bye")[1].body == {"rank": 3, "job": "j", "clean": True}
 
 
+def test_events_not_received_are_sent_again_and_those_never_received_counted_before_the_goodbye(
+        coordinator, make_client, monkeypatch):
+    """Numbered batches: one the coordinator never answers is sent again (same numbers), until it
+    says ``received``; at close, what it never received counts as dropped in the last heartbeat,
+    which goes before the goodbye."""
+    monkeypatch.setattr("nanguard.client._RESEND_AFTER_S", 0.2)
+    client = make_client(coordinator.address, heartbeat_s=60)
+    identity, _ = coordinator.until("hello")
+    for step in range(3):
+        client.send_event(event(step), "warn")
+    _, first = coordinator.until("events")
+    assert first.body["first"] == 0 and [e["step"] for e in first.body["events"]] == [0, 1, 2]
+    _, again = coordinator.until("events")  # no answer came: sent again, numbered as before
+    assert again.body["first"] == 0 and again.body["events"] == first.body["events"]
+    coordinator.send(identity, "received", {"rank": 3, "events": 3})
+    client.send_event(event(3), "warn")
+    _, later = coordinator.until("events")
+    assert later.body["first"] == 3 and [e["step"] for e in later.body["events"]] == [3]
+    client.close(timeout_s=1.0)  # event 3 is never received
+    ending = []
+    while not ending or ending[-1].type != "bye":
+        ending += [m for _, m in coordinator.receive() if m.type != "events"]  # (event 3, sent again)
+    assert [m.type for m in ending] == ["heartbeat", "bye"]
+    assert ending[0].body["dropped"] == 1 and client.dropped == 1
+
+
 def test_token_is_used(make_client):
     fake = FakeCoordinator(token="s3cret")
     try:

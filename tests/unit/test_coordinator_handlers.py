@@ -168,3 +168,32 @@ def test_events_a_re_run_did_not_reproduce_count_under_the_ranks_host_and_their_
     assert sample("nanguard_transient_events_total", {"host": "h", "device": "cpu"}) == 1
     assert sample("nanguard_transient_events_total", {"host": "somewhere-else", "device": "cuda:0 GPU-1"}) is None
     assert sample("nanguard_nonfinite_events_total", {"kind": "grad", "rank": "0"}) == 6
+
+
+def test_numbered_events_are_answered_and_counted_once_whatever_is_sent_again():
+    """A batch that says its ``first`` number is answered with ``received``; what the coordinator
+    holds already (sent again after a lost answer or a reset connection) counts once; a gap (events
+    the rank gave up on, which its heartbeat counts) is no reason to refuse the rest; a new process
+    for the rank numbers from 0 again; a batch without ``first`` (an earlier release) gets no answer."""
+    coordinator = Coordinator()
+    rank = Codec("rank0@h:1:s1", None)
+    coordinator.receive(rank, "hello", HELLO)
+    sample = coordinator.registry.get_sample_value
+    spike = {"kind": "spike", "rank": 0, "step": 1, "layer": ""}
+
+    def batch(first, count, sender=rank):
+        coordinator.receive(sender, "events", {"rank": 0, "job": "job1", "events": [spike] * count, "action": "warn",
+                                               "first": first})
+        return coordinator.replies.pop()
+
+    assert batch(0, 3) == ("received", {"rank": 0, "events": 3})
+    assert batch(0, 3) == ("received", {"rank": 0, "events": 3})  # the answer was lost: sent again
+    assert batch(1, 4) == ("received", {"rank": 0, "events": 5})  # overlaps: two are new
+    assert batch(9, 1) == ("received", {"rank": 0, "events": 10})  # 5 to 8 were dropped on the rank
+    assert coordinator.ranks.status()[0]["events"] == 6
+    assert sample("nanguard_warning_events_total", {"kind": "spike", "rank": "0"}) == 6
+    restarted = Codec("rank0@h:7:s9", None)
+    coordinator.receive(restarted, "hello", dict(HELLO, pid=7))
+    assert batch(0, 2, restarted) == ("received", {"rank": 0, "events": 2})
+    coordinator.receive(restarted, "events", {"rank": 0, "job": "job1", "events": [spike], "action": "warn"})
+    assert coordinator.replies == [] and coordinator.ranks.status()[0]["events"] == 9

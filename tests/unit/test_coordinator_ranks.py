@@ -261,3 +261,62 @@ def test_a_large_job_logs_counts_not_a_line_per_rank(caplog):
     table.tick(Instant(2.0, 2.0))
     finished = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
     assert finished == [f"{world} of {world} ranks finished"]
+
+
+def launch(table, restart, seconds, ranks=(0, 1), session="a"):
+    """Hellos of ``ranks`` of a launch's processes that say ``restart``; each one's Admission."""
+    return [table.hello(f"rank{rank}-{session}", b"id%d" % rank, {**hello_body(rank, world_size=2), "restart": restart},
+                        at(seconds)).admission for rank in ranks]
+
+
+def test_a_higher_restart_count_is_a_torchrun_restart_of_the_launch(table, caplog):
+    assert launch(table, 0, 0) == [Admission.ACCEPTED] * 2
+    # torchrun restarts every worker: the first hello of restart 1 says so, while the others of
+    # restart 0 may still look alive (killed without a bye)
+    assert launch(table, 1, 1, session="b") == [Admission.RESTARTED, Admission.ACCEPTED]
+    assert table.restart == 1 and len(table) == 2
+    assert "job job1: torchrun restarted its workers (restart 1, was 0)" in caplog.text
+
+
+def test_a_restart_count_back_to_0_is_a_new_launch_once_every_rank_ended(table, caplog):
+    launch(table, 0, 0)
+    launch(table, 1, 1, session="b")
+    # as for another job: a rank's word does not end a launch whose ranks are alive
+    refused("wrong_job", launch, table, 0, 2, ranks=(0,), session="c")
+    for rank in (0, 1):
+        table.bye(table.speaker(rank, f"rank{rank}-b"), False, at(3))
+    assert launch(table, 0, 4, ranks=(0,), session="c") == [Admission.NEW_JOB]
+    assert table.restart == 0 and [row["rank"] for row in table.status()] == [0]
+    assert "job job1: a new launch (restart 0) replaces the one served (restart 1), every rank of which ended" \
+        in caplog.text
+
+
+def test_the_same_restart_count_is_a_new_launch_only_from_new_processes_once_every_rank_ended(table, caplog):
+    states = [table.hello(f"rank{r}-a", b"id%d" % r, {**hello_body(r, world_size=2), "restart": 0}, at(0)).state
+              for r in (0, 1)]
+    assert launch(table, 0, 1, ranks=(0,)) == [Admission.ACCEPTED]  # a process reconnecting
+    table.bye(states[0], False, at(2))
+    assert launch(table, 0, 3, ranks=(0,), session="b") == [Admission.ACCEPTED]  # rank 1 is alive
+    table.bye(states[1], False, at(4))
+    table.bye(table.speaker(0, "rank0-b"), False, at(4))
+    assert launch(table, 0, 6, ranks=(1,), session="c") == [Admission.NEW_JOB]  # a new launch of run id 'none'
+    assert "a new launch (restart 0) replaces the one served (restart 0), every rank of which ended" in caplog.text
+
+
+def test_ranks_that_do_not_say_their_restart_count_stay_one_incarnation(table):
+    states = register(table, 0, 0), register(table, 1, 0)
+    for state in states:
+        table.bye(state, False, at(1))
+    assert hello(table, 0, 2, sender="rank0-new").admission is Admission.ACCEPTED  # as before this field
+    assert table.restart is None
+
+
+def test_a_restored_incarnation_is_not_ended_before_its_ranks_reconnect(table):
+    assert table.restore("job1", 2, 0)
+    assert launch(table, 0, 0, ranks=(0,)) == [Admission.ACCEPTED]  # the stopped launch reconnects
+    assert launch(table, 1, 1, ranks=(0,), session="b") == [Admission.RESTARTED]
+
+
+def test_a_lower_restart_count_after_a_restore_is_a_new_launch(table):
+    assert table.restore("job1", 2, 1)
+    assert launch(table, 0, 0, ranks=(0,)) == [Admission.NEW_JOB]

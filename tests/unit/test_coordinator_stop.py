@@ -5,6 +5,7 @@ would travel.
 """
 
 import json
+import logging
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -86,7 +87,8 @@ def test_the_stop_goes_to_every_registered_unfinished_rank(setup, registry):
     assert registry.get_sample_value("nanguard_job_stopped") == 1
     assert fanout.status() == {"command_id": command.command_id, "origin": "policy",
                                "reason": "non-finite forward event", "time": at(1).wall, "acked": [],
-                               "counted_as": "nonfinite"}  # (what nanguard_stops_total counted it under)
+                               "counted_as": "nonfinite",  # (what nanguard_stops_total counted it under)
+                               "job": "job1", "restart": None}  # the incarnation it stopped
 
 
 def test_resends_go_only_to_ranks_that_have_not_acked(setup):
@@ -212,3 +214,55 @@ def test_the_ranks_heard_from_last_get_the_stop_first(setup):
     order = sent.take()
     assert order[:2] == [b"id13", b"id5"]
     assert sorted(order) == sorted(b"id%d" % rank for rank in range(16))  # each once
+
+
+def launched(ranks, session, restart, seconds):
+    """Rank 0 of a 1-rank job, from a process of launch ``restart``: its hello's admission and state."""
+    hello = ranks.hello(session, b"id-" + session.encode(), {"rank": 0, "local_rank": 0, "world_size": 1,
+                        "host": "h", "pid": 1, "job": "none", "device": "cpu", "version": "t", "restart": restart},
+                        at(seconds))
+    return hello.admission, hello.state
+
+
+@pytest.mark.parametrize("on_restart, holds", [("stop", True), ("run", False)])
+def test_a_stop_holds_for_a_torchrun_restart_as_on_restart_says_and_never_for_a_new_launch(
+        registry, caplog, on_restart, holds):
+    caplog.set_level(logging.INFO, "nanguard.coordinator")
+    metrics = Metrics(registry)
+    ranks, sent = RankTable(metrics), Sent()
+    fanout = StopFanout(ranks, metrics, encoder(), sent, resend_s=RESEND_S, on_restart=on_restart)
+    _, first = launched(ranks, "launch1", 0, 0)
+    command, _ = fanout.begin("policy", "non-finite loss at step 10", "nonfinite", at(1))
+    assert (command.job, command.restart) == ("none", 0)
+    ranks.bye(first, False, at(2))
+    admission, state = launched(ranks, "launch1-restart1", 1, 3)  # torchrun restarts the worker
+    assert fanout.admitted(admission) is not holds
+    assert (fanout.command is command) is holds
+    said = ("the stop of job none restart 0 (command %s: non-finite loss at step 10) holds for its torchrun restart, "
+            "job none restart 1 (--on-restart stop" if holds else
+            "the stop of job none restart 0 (command %s) is lifted for job none restart 1 (its torchrun restart, "
+            "--on-restart run)") % command.command_id
+    assert said in caplog.text
+    if holds:
+        ranks.bye(state, False, at(4))
+        admission, _ = launched(ranks, "launch2", 0, 3600)  # an hour later, the cause fixed
+        assert fanout.admitted(admission) and fanout.command is None
+        assert f"the stop of job none restart 0 (command {command.command_id}) is lifted for job none restart 0 " \
+               "(a new launch)" in caplog.text
+    assert registry.get_sample_value("nanguard_job_stopped") == 0
+
+
+def test_clear_lifts_the_standing_stop_and_a_later_one_can_be_decided(setup, registry):
+    ranks, fanout, sent = setup
+    register(ranks, 0)
+    first, _ = fanout.begin("operator", "one", "operator", at(1))
+    assert fanout.clear() is first and fanout.command is None and fanout.next_resend == float("inf")
+    assert registry.get_sample_value("nanguard_job_stopped") == 0
+    assert fanout.clear() is None  # none stands
+    second, made = fanout.begin("policy", "two", "nonfinite", at(2))
+    assert made and second.command_id != first.command_id
+
+
+def test_on_restart_is_stop_or_run(registry):
+    with pytest.raises(ValueError, match="on_restart='later' must be one of stop, run"):
+        StopFanout(RankTable(Metrics(registry)), Metrics(CollectorRegistry()), encoder(), Sent(), on_restart="later")

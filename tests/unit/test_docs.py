@@ -70,10 +70,10 @@ def test_the_generated_reference_covers_every_setting_and_command():
     settings, cli = pages["reference/settings.md"], pages["reference/cli.md"]
     for field in Settings.__dataclass_fields__:
         assert f"| `{field}` | `NANGUARD_{field.upper()}` |" in settings, field
-    for command in ("demo", "coordinator", "status", "stop", "keys", "inspect"):
+    for command in ("demo", "coordinator", "status", "stop", "clear", "keys", "inspect"):
         assert f"## `nanguard {command}`" in cli, command
     for option in ("--bind", "--metrics-host", "--dead-after-s", "--stall-after-s", "--count-skipped",
-                   "--timeout-s", "--reason", "--plot"):
+                   "--timeout-s", "--reason", "--plot", "--on-restart"):
         assert f"`{option} " in cli or f"`{option}`" in cli, option
     prose = re.sub(r"```.*?```", "", settings + cli, flags=re.DOTALL)
     assert not re.search(r"``\w", prose), "RST ``literals`` must render as Markdown code"

@@ -47,7 +47,12 @@ def test_status_table():
     assert lines[3].split() == ["1", "?", "?", "100.0", "s", "ago", "dead", "12", "3"]
     assert lines[4].split() == ["2", "node2", "40", "1.0", "s", "ago", "failed", "0", "0"]
     assert lines[5].startswith("stop: command abc (operator) at ") and lines[5].endswith(
-        ": maintenance; acked by 1 of 3 rank(s)")
+        ": maintenance; acked by 1 of 3 rank(s); nanguard clear lifts it")
+    # the incarnation it stopped: the job, and the launch's restart count where the ranks said it
+    for restart, of in ((2, "of job j restart 2"), (None, "of job j")):
+        line = format_status({"job": "j", "ranks": ranks, "stop": {**stop, "job": "j", "restart": restart}},
+                             now=1000.0).splitlines()[5]
+        assert line.startswith(f"stop: command abc {of} (operator) at ")
     # a policy's stop says what /metrics counts it under (nanguard_stops_total{reason="nonfinite"})
     policy = {**stop, "origin": "policy", "reason": "rank 1 stopped at step 4 (nonfinite)", "counted_as": "nonfinite"}
     line = format_status({"job": "j", "ranks": ranks, "stop": policy}, now=1000.0).splitlines()[5]

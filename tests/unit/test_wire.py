@@ -32,22 +32,25 @@ BODIES = {
     "handshake": {},
     "welcome": {"handshake_seq": 1},
     "hello": {"rank": 1, "local_rank": 1, "world_size": 2, "host": "node1", "pid": 42, "job": "j",
-              "device": "cuda:1", "version": "0.1.0"},
+              "device": "cuda:1", "version": "0.1.0", "restart": 1},
     "heartbeat": {"rank": 1, "world_size": 2, "job": "j", "host": "node1", "pid": 42, "step": 7,
                   "step_time_s": 0.25, "dropped": 3, "grad_norm": 1.5},
     "events": {"rank": 1, "job": "j", "events": [EVENT.to_dict(), EVENT.to_dict(compact=True)],
-               "action": "raise"},
+               "action": "raise", "first": 40},
     "captured": {"rank": 1, "job": "j", "step": 25, "incident": "/runs/incidents/j-step25"},
     "stopped": {"rank": 1, "job": "j", "step": 25, "reason": "nonfinite"},
     "ack": {"rank": 1, "command_id": "c0ffee"},
     "bye": {"rank": 1, "job": "j", "clean": True},
     "stop": {"command_id": "c0ffee", "reason": "operator says so", "origin": "operator"},
+    "received": {"rank": 1, "events": 42},
     "status_request": {},
     "status": {"job": "j", "ranks": [RANK_STATUS],
                "stop": {"command_id": "c0ffee", "origin": "policy", "reason": "r", "time": 1.7e9,
-                        "acked": [0, 1]}},
+                        "acked": [0, 1], "job": "j", "restart": 0}},
     "stop_request": {"reason": "maintenance"},
     "stop_accepted": {"command_id": "c0ffee", "existing": False},
+    "clear_request": {"reason": "fixed the data loader"},
+    "cleared": {"command_id": "c0ffee"},
     "refused": {"reason": "stopping a job needs NANGUARD_OPERATOR_TOKEN"},
 }
 RECEIVER = "coordinator"
@@ -100,6 +103,19 @@ def test_normalised_bodies():
     assert math.isnan(status["ranks"][0]["grad_norm"])
     beat = dict(BODIES["heartbeat"], grad_norm="inf", step_time_s=None)
     assert round_trip(codec, "heartbeat", beat).body["grad_norm"] == math.inf
+
+
+def test_a_batchs_first_event_number_is_optional_and_a_count():
+    """``first`` numbers a batch for the coordinator's ``received``; a rank of an earlier release
+    sends none, and is served as before."""
+    codec = Codec("a", None)
+    older = {name: value for name, value in BODIES["events"].items() if name != "first"}
+    assert "first" not in round_trip(codec, "events", older).body
+    assert round_trip(codec, "events", BODIES["events"]).body["first"] == 40
+    for bad in (-1, 1.5, "3", True, None):
+        error = refused(Codec(RECEIVER, None), [envelope("events", dict(BODIES["events"], first=bad))])
+        assert error.reason == "schema" and ".first" in str(error)
+    assert round_trip(codec, "received", BODIES["received"]).body == {"rank": 1, "events": 42}
 
 
 def test_an_event_carries_what_the_re_run_said():
