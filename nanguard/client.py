@@ -11,7 +11,9 @@ coordinator has not said it ``received`` is kept (at most ``queue_size`` of them
 events wait in the queue) and sent again on the next connection, or after ``_RESEND_AFTER_S``
 without an answer: a reset connection loses no event (ZeroMQ drops what it held for it). A coordinator that has not
 welcomed this rank for a few heartbeats (not running, another token or CurveZMQ key) is said once,
-on the log, with the likely causes, and its return once more (``Silence``). Events that cannot be queued
+on the log, with the likely causes, and its return once more (``Silence``). A welcomed connection
+that brings nothing back for a while is asked for an answer in the heartbeats, and made again when
+none comes (``_LINK_DEAD_S``). Events that cannot be queued
 or sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
 thread: a bad message is dropped (and logged, at most once a minute per kind), and an unexpected
 error is logged with its traceback and the thread goes on. No torch, no prometheus_client.
@@ -58,8 +60,9 @@ _RETRY_SOCKET_S = 5.0
 _RESEND_AFTER_S = 5.0
 """events sent and not received for this long (no ``received`` came) are sent again"""
 _LINK_DEAD_S = 15.0
-"""a connection that carries nothing for this long (not even ZeroMQ's pings, sent every heartbeat)
-is closed and made again, on both sides: after a partition TCP itself may wait minutes to resend"""
+"""a connection over which nothing came for this long (at least four heartbeats), though the
+heartbeats asked for an answer, is closed and made again: after a partition TCP itself may wait
+minutes to resend. (Not ZeroMQ's own pings: wire.py says why.)"""
 
 Numbered = tuple[int, Event, str]
 """(the event's number in this session, the event, the action)"""
@@ -285,6 +288,8 @@ class _Sender:
         self._warn = warn
         self.next_heartbeat = 0.0
         self.next_handshake = 0.0
+        self.ask = False
+        """the next heartbeats ask for an answer (nothing came from the coordinator for a while)"""
 
     def send(self, sock: zmq.Socket, now: float, connected: bool) -> bool:
         """Send what is due; True when nothing is left."""
@@ -302,7 +307,8 @@ class _Sender:
                 return False
             control.popleft()
         if now >= self.next_heartbeat:
-            self._one(sock, "heartbeat", self._outbox.heartbeat())
+            heartbeat = self._outbox.heartbeat()
+            self._one(sock, "heartbeat", {**heartbeat, "answer": True} if self.ask else heartbeat)
             self.next_heartbeat = now + self.heartbeat_s
         self._outbox.send_again(now)
         for _ in range(_BATCHES_PER_TURN):
@@ -353,6 +359,10 @@ class _Sender:
         return True
 
 
+class _Stalled(Exception):
+    """The connection carried nothing back though asked: the client thread makes a new one."""
+
+
 class _Closing:
     """What ``close`` asks of the client thread: the events first, until the coordinator holds them
     all or half the time is gone; then what is left counts as dropped, and the last heartbeat (which
@@ -375,7 +385,7 @@ class _Closing:
         return "end" if done or not reachable or now >= self.deadline else None
 
 
-def _dealer_options(sock: zmq.Socket, heartbeat_s: float) -> None:
+def _dealer_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
     sock.setsockopt(zmq.SNDHWM, 64)
@@ -383,11 +393,6 @@ def _dealer_options(sock: zmq.Socket, heartbeat_s: float) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-    # ZeroMQ's own pings: a connection silent for _LINK_DEAD_S is closed here (TIMEOUT) and at the
-    # coordinator (TTL, which the pings carry), and this side connects again
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(max(1.0, heartbeat_s) * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(_LINK_DEAD_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(_LINK_DEAD_S * 1000))
 
 
 class Silence:
@@ -479,6 +484,9 @@ class Client:
         self._welcomed = False
         """a coordinator welcomed this rank once (closing then waits for it to come back)"""
         self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
+        self._dead_after_s = max(_LINK_DEAD_S, 4 * heartbeat_s)
+        self._heard = 0.0
+        """when (monotonic) the coordinator last said anything over this connection, or it was made"""
         self._throttle = Throttle(_WARN_EVERY_S)
         self._stopping = threading.Event()
         self._closing: _Closing | None = None
@@ -558,6 +566,8 @@ class Client:
             try:
                 self._session()
                 return
+            except _Stalled:
+                continue  # a new connection at once
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM or self._stopping.is_set():
                     return
@@ -574,7 +584,7 @@ class Client:
         self._link.reset()
         self._silence.down(time.monotonic())
         try:
-            _dealer_options(sock, self._sender.heartbeat_s)
+            _dealer_options(sock)
             if self._curve_public_key is not None:
                 curve.connect(sock, self._curve_public_key)
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -597,7 +607,7 @@ class Client:
             ready = dict(poller.poll(_POLL_S * 1000))
             try:
                 done = self._turn(sock, monitor, ready)
-            except zmq.ZMQError:
+            except (zmq.ZMQError, _Stalled):
                 raise
             except Exception:  # noqa: BLE001 - a bug (or a peer finding one) must not end the link
                 self._warn("internal", "nanguard: the coordinator link failed on a turn; it goes on",
@@ -620,9 +630,22 @@ class Client:
             self._connection_events(monitor)
         if sock in ready:
             self._receive(sock, now)
-        if not self._stopping.is_set() and (said := self._silence.check(time.monotonic(), self._connected)):
-            log.warning("%s", said)
+        if not self._stopping.is_set():
+            self._check_link(time.monotonic())
         return self._sender.send(sock, now, self._connected)
+
+    def _check_link(self, now: float) -> None:
+        """Warn of a coordinator that does not answer; ask a welcomed connection that has carried
+        nothing back for a while for an answer, and give it up (_Stalled) when none comes."""
+        if said := self._silence.check(now, self._connected):
+            log.warning("%s", said)
+        quiet_s = now - self._heard
+        live = self._connected and self._link.instance is not None
+        self._sender.ask = live and quiet_s > self._dead_after_s / 4
+        if live and quiet_s > self._dead_after_s:
+            log.info("nanguard: nothing came from the coordinator at %s for %.0f s though this rank asked; "
+                     "the connection is made again", self.address, quiet_s)
+            raise _Stalled
 
     def _connection_events(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
@@ -631,6 +654,7 @@ class Client:
                 # first contact, a coordinator restarted, or the network came back: learn which
                 # instance is there before saying anything else
                 self._connected = True
+                self._heard = time.monotonic()
                 self._link.reset()
                 self._sender.next_handshake = self._sender.next_heartbeat = 0.0
             elif event == zmq.EVENT_DISCONNECTED:
@@ -654,6 +678,7 @@ class Client:
                 self._warn(exc.reason, f"nanguard: dropped a bad message from the coordinator at "
                            f"{self.address}: {exc}")
                 continue
+            self._heard = time.monotonic()
             if message.type == "welcome":
                 self._welcomed = True
                 if said := self._silence.up(time.monotonic()):

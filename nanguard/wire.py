@@ -30,6 +30,12 @@ holds (a batch sent again after a lost answer), and never answers a batch withou
 of an earlier release, which keeps no events for sending again). The rank keeps what is not yet
 received, bounded, and sends it again on its next connection.
 
+A live link: a rank that has heard nothing from the coordinator for a while says ``answer`` in its
+heartbeat, which is answered with ``received`` too; one that still hears nothing makes a new
+connection (``client.py``). ZeroMQ's own pings are not used: libzmq 4.3.5 aborts a process that
+answers a ping on a connection it has already given up reading (zeromq/libzmq#4841), and a
+coordinator whose input waits at its high-water mark while the peer resets is such a process.
+
 Every body is checked against its schema on decode; anything else is a ``ProtocolError`` whose
 ``reason`` (one of ``protocol.WIRE_REASONS``) says which check failed. Nothing here imports torch.
 """
@@ -246,7 +252,8 @@ SCHEMAS: dict[str, Check] = {
                      {"restart": _COUNT}),  # TORCHELASTIC_RESTART_COUNT; ranks of earlier releases omit it
     "heartbeat": _object({"rank": _RANK, "world_size": _WORLD, "job": _JOB, "host": _HOST, "pid": _PID,
                           "step": _COUNT, "step_time_s": _optional(_SECONDS), "dropped": _COUNT,
-                          "grad_norm": _GRAD_NORM}),
+                          "grad_norm": _GRAD_NORM},
+                         {"answer": _boolean}),  # asks for a ``received``: the rank heard nothing for a while
     "events": _object({"rank": _RANK, "job": _JOB, "events": _list(_event, 1, MAX_EVENTS)},
                       {"action": _text(8, ACTIONS), "first": _COUNT}),
     "captured": _object({"rank": _RANK, "job": _JOB, "step": _COUNT, "incident": _text(4096)}),

@@ -61,7 +61,7 @@ class Handlers:
         self._operator_gate = operator_gate
         self._sync_soon = sync_soon
         self._rank_handlers = {
-            "heartbeat": self._on_heartbeat, "captured": self._on_captured,
+            "captured": self._on_captured,
             "stopped": self._on_stopped, "ack": self._on_ack, "bye": self._on_bye,
         }
         self._held: dict[int, tuple[str, int]] = {}
@@ -85,6 +85,8 @@ class Handlers:
                 self.ranks.seen(state, identity, at)
                 if type_ == "events":
                     self._on_batch(state, message, identity, at)
+                elif type_ == "heartbeat":
+                    self._on_heartbeat(state, message, identity, at)
                 else:
                     self._rank_handlers[type_](state, message.body, at)
         elif type_ == "status_request":
@@ -114,8 +116,17 @@ class Handlers:
         if hello.new_session:
             self.stops.registered(hello.state, at)
 
-    def _on_heartbeat(self, state, body: dict[str, Any], at: Instant) -> None:
-        self.ranks.heartbeat(state, body, at)
+    def _on_heartbeat(self, state, message: Message, identity: bytes, at: Instant) -> None:
+        self.ranks.heartbeat(state, message.body, at)
+        if message.body.get("answer"):
+            # the rank has heard nothing from here for a while: an answer shows it the link carries
+            # both ways (else it makes a new connection)
+            self._reply(identity, message, "received", {"rank": state.rank, "events": self._holding(state)})
+
+    def _holding(self, state) -> int:
+        """How many of the numbered events of this rank's session this coordinator holds."""
+        session, held = self._held.get(state.rank, (state.sender, 0))
+        return held if session == state.sender else 0  # another session: a new process, numbered from 0
 
     def _on_batch(self, state, message: Message, identity: bytes, at: Instant) -> None:
         """An ``events`` message: the events this coordinator does not hold yet, and, for a numbered
@@ -125,9 +136,7 @@ class Handlers:
         if first is None:  # a rank of an earlier release: nothing to answer, nothing to tell apart
             self._on_events(state, events, body.get("action"), at)
             return
-        session, held = self._held.get(state.rank, (state.sender, 0))
-        if session != state.sender:  # a new process for this rank: numbered from 0 again
-            held = 0
+        held = self._holding(state)
         # below ``held``: sent again after an answer was lost; above it: numbers the rank gave up
         # on (its queue was full), which its heartbeat counts as dropped
         new = events[max(0, held - first):]

@@ -279,6 +279,12 @@ def _router(context: zmq.Context, bind: str, curve_secret_key: str | None) -> tu
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
+        # the kernel's probes (not ZeroMQ's pings: wire.py says why) close a connection whose rank
+        # went away unheard, a partition's say, after about 90 s idle
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 60)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         if curve_secret_key is not None:
             curve.serve(sock, curve_secret_key)
         sock.bind(bind)

@@ -328,6 +328,30 @@ def test_a_restarted_coordinator_gets_a_new_handshake_and_hello(make_client):
         second.close()
 
 
+def test_a_quiet_link_asks_for_an_answer_and_one_that_stays_quiet_is_made_again(coordinator, make_client,
+                                                                                 monkeypatch):
+    """No ZeroMQ pings (wire.py says why): heartbeats ask for an answer once nothing came back for a
+    quarter of the dead time; an answer lets the link be, none makes a new connection."""
+    monkeypatch.setattr("nanguard.client._LINK_DEAD_S", 2.0)
+    client = make_client(coordinator.address, heartbeat_s=0.1)
+    identity, _ = coordinator.until("hello")
+    _, beat = coordinator.until("heartbeat")
+    assert "answer" not in beat.body  # the welcome was just heard
+    while "answer" not in beat.body:
+        _, beat = coordinator.until("heartbeat", timeout_s=5)
+    asked = time.monotonic()
+    coordinator.send(identity, "received", {"rank": 3, "events": 0})
+    _, beat = coordinator.until("heartbeat")
+    while "answer" in beat.body:  # the ones sent before the answer came
+        _, beat = coordinator.until("heartbeat")
+    assert time.monotonic() - asked < 1.0  # the answer was heard: it stopped asking
+    # no answer from now on: after the dead time a new connection (another routing id) says hello
+    first_sender = beat.sender
+    new_identity, hello = coordinator.until("hello", timeout_s=10)
+    assert new_identity != identity and hello.sender == first_sender  # the same session, a new connection
+    assert client._thread.is_alive()
+
+
 def test_silence_is_said_once_per_outage_with_its_likely_causes_and_its_end():
     silence = Silence("tcp://10.0.0.7:5555", after_s=6.0, now=100.0)
     assert silence.check(105.9, connected=False) is None  # not yet a few heartbeats

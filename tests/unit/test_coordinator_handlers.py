@@ -197,3 +197,27 @@ def test_numbered_events_are_answered_and_counted_once_whatever_is_sent_again():
     assert batch(0, 2, restarted) == ("received", {"rank": 0, "events": 2})
     coordinator.receive(restarted, "events", {"rank": 0, "job": "job1", "events": [spike], "action": "warn"})
     assert coordinator.replies == [] and coordinator.ranks.status()[0]["events"] == 9
+
+
+def test_a_heartbeat_that_asks_is_answered_with_what_its_session_holds():
+    """A rank that heard nothing for a while asks in its heartbeat (no ZeroMQ pings: wire.py says
+    why); the answer is the ``received`` of its own session, 0 for a new process."""
+    coordinator = Coordinator()
+    rank = Codec("rank0@h:1:s1", None)
+    coordinator.receive(rank, "hello", HELLO)
+    beat = {"rank": 0, "world_size": 2, "job": "job1", "host": "h", "pid": 1, "step": 3, "step_time_s": None,
+            "dropped": 0, "grad_norm": None}
+    coordinator.receive(rank, "heartbeat", beat)
+    coordinator.receive(rank, "heartbeat", dict(beat, answer=False))
+    assert coordinator.replies == []  # a heartbeat that does not ask gets nothing
+    coordinator.receive(rank, "heartbeat", dict(beat, answer=True))
+    assert coordinator.replies.pop() == ("received", {"rank": 0, "events": 0})
+    coordinator.receive(rank, "events", {"rank": 0, "job": "job1", "first": 0, "action": "warn",
+                                         "events": [{"kind": "spike", "rank": 0, "step": 1, "layer": ""}] * 2})
+    coordinator.receive(rank, "heartbeat", dict(beat, answer=True))
+    assert coordinator.replies[-1] == ("received", {"rank": 0, "events": 2})
+    restarted = Codec("rank0@h:7:s9", None)
+    coordinator.receive(restarted, "hello", dict(HELLO, pid=7))
+    coordinator.receive(restarted, "heartbeat", dict(beat, pid=7, answer=True))
+    assert coordinator.replies[-1] == ("received", {"rank": 0, "events": 0})
+    coordinator.refused("schema", rank, "heartbeat", dict(beat, answer="yes"))
