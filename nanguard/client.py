@@ -1,20 +1,18 @@
-"""The rank side of the coordinator link: a bounded queue and one thread that owns the socket.
+"""The rank side of the coordinator link: one thread that owns the socket.
 
-The training thread only puts into a queue (``send_event``) or stores values (``update``): O(1),
-never blocking, never failing when the coordinator is down, late, gone or hostile. The
+The training thread only puts into the ``Outbox`` (``send_event``) or stores values (``update``):
+O(1), never blocking, never failing when the coordinator is down, late, gone or hostile. The
 ``nanguard-client`` thread connects a DEALER socket (ZeroMQ connects lazily and reconnects by
 itself). On every new connection it sends a ``handshake``; the coordinator's ``welcome`` names
 its instance, which every later message is addressed to, starting with this rank's ``hello``.
 Then it sends the queued events in batches, a ``heartbeat`` every ``heartbeat_s``, and acks the
-coordinator's ``stop`` commands, handing each new one to ``on_stop``. Events are numbered; what the
-coordinator has not said it ``received`` is kept (at most ``queue_size`` of them: past that, new
-events wait in the queue) and sent again on the next connection, or after ``_RESEND_AFTER_S``
-without an answer: a reset connection loses no event (ZeroMQ drops what it held for it). A coordinator that has not
-welcomed this rank for a few heartbeats (not running, another token or CurveZMQ key) is said once,
-on the log, with the likely causes, and its return once more (``Silence``). A welcomed connection
-that brings nothing back for a while is asked for an answer in the heartbeats, and made again when
-none comes (``_LINK_DEAD_S``). Events that cannot be queued
-or sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
+coordinator's ``stop`` commands, handing each new one to ``on_stop``. What the coordinator has not
+said it ``received`` is sent again (outbox.py): a reset connection loses no event. A coordinator
+that has not welcomed this rank for a few heartbeats (not running, another token or CurveZMQ key)
+is said once, on the log, with the likely causes, and its return once more (``Silence``). A
+welcomed connection that brings nothing back for a while is asked for an answer in the heartbeats,
+and made again when none comes (``Hearing``, ``_LINK_DEAD_S``). Events that cannot be queued or
+sent are dropped and counted; the count travels in heartbeats. Nothing a peer sends ends the
 thread: a bad message is dropped (and logged, at most once a minute per kind), and an unexpected
 error is logged with its traceback and the thread goes on. No torch, no prometheus_client.
 """
@@ -22,8 +20,6 @@ error is logged with its traceback and the thread goes on. No torch, no promethe
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import secrets
 import threading
 import time
@@ -36,11 +32,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import curve
 from .errors import ProtocolError
-from .events import Event, json_float
+from .events import Event
+from .link import Admission, Hearing, Link, Silence
+from .outbox import Numbered, Outbox
 from .protocol import (ACTIONS, IDENTITY_FIELDS, OPTIONAL_IDENTITY_FIELDS, STOP_REASONS, check_curve_key,
                        parse_address)
 from ._throttle import Throttle
-from .wire import MAX_BYTES, MAX_EVENTS, Codec, Message, ReplayFilter, check_body, wire_event
+from .wire import MAX_BYTES, Codec, check_body, wire_event
 
 log = logging.getLogger("nanguard.client")
 
@@ -48,233 +46,22 @@ _POLL_S = 0.02
 """how long the thread sleeps between looks at the queue (the latency of an event, at most)"""
 _BATCHES_PER_TURN = 8
 """event batches sent before the thread looks for stop commands again"""
-_MAX_CONTROL = 1024
 _MAX_REMEMBERED_COMMANDS = 64
 _WARN_EVERY_S = 60.0
 _HANDSHAKE_EVERY_S = 1.0
 """how often an unanswered handshake is sent again (the welcome can be lost while reconnecting)"""
 _SILENT_TURNS = 3
 """the link is said to be down after this many heartbeats (or handshakes, if longer) unanswered"""
+_HELLO_AGAIN_S = 5.0
+"""how often a hello the coordinator did not answer is sent again"""
 _RETRY_SOCKET_S = 5.0
 """how long the thread waits before making a new socket after ZeroMQ failed on the last one"""
-_RESEND_AFTER_S = 5.0
-"""events sent and not received for this long (no ``received`` came) are sent again"""
 _LINK_DEAD_S = 15.0
 """a connection over which nothing came for this long (at least four heartbeats), though the
 heartbeats asked for an answer, is closed and made again: after a partition TCP itself may wait
 minutes to resend. (Not ZeroMQ's own pings: wire.py says why.)"""
 
-Numbered = tuple[int, Event, str]
-"""(the event's number in this session, the event, the action)"""
-
 OnStop = Callable[[str, str, str], None]
-
-
-class Outbox:
-    """What waits to be sent: control messages first, then queued events; shared by the training
-    thread (which only puts, never blocking) and the client thread (which takes).
-
-    ``identity``: the rank's ``hello`` body; every control message names its rank and job.
-    """
-
-    def __init__(self, identity: dict[str, Any], queue_size: int):
-        self.identity = identity
-        self.control: deque[tuple[str, dict[str, Any]]] = deque()
-        """(type, body) of messages other than events, sent in order before any event"""
-        self._queue: queue.Queue[tuple[Event, str]] = queue.Queue(queue_size)
-        self._latest: tuple[int, float | None, float | None] = (0, None, None)
-        self._carry: tuple[Event, str] | None = None
-        self._window = queue_size
-        """the most events sent and not received (past it, new events wait in the queue)"""
-        self._next = 0
-        """the number of the next event taken from the queue"""
-        self.unreceived: deque[Numbered] = deque()
-        """sent, and not yet received by the coordinator: oldest first"""
-        self._again: deque[Numbered] = deque()
-        """to send again, before any new event"""
-        self._answered_at = 0.0
-        """when the coordinator last said it received more (or the first unreceived event was sent)"""
-        self._dropped_queued = 0
-        """dropped by the training thread (queue full); under _drop_lock"""
-        self.dropped_sent = 0
-        """dropped by the client thread (could not send)"""
-        self._drop_lock = threading.Lock()
-
-    # --- training thread ------------------------------------------------------------------
-    def put_event(self, event: Event, action: str) -> bool:
-        try:
-            self._queue.put_nowait((event, action))
-            return True
-        except queue.Full:
-            with self._drop_lock:
-                self._dropped_queued += 1
-            return False
-
-    def update(self, step: int, step_time_s: float | None, grad_norm: float | None) -> None:
-        self._latest = (step, step_time_s, grad_norm)
-
-    def put_control(self, type_: str, fields: dict[str, Any]) -> bool:
-        """A message naming this rank and its job; False (dropped) when too many wait."""
-        if len(self.control) >= _MAX_CONTROL:
-            return False
-        self.control.append((type_, {"rank": self.identity["rank"], "job": self.identity["job"], **fields}))
-        return True
-
-    @property
-    def dropped(self) -> int:
-        """Events dropped so far: queue full, or not sendable."""
-        return self._dropped_queued + self.dropped_sent
-
-    # --- client thread --------------------------------------------------------------------
-    def heartbeat(self) -> dict[str, Any]:
-        step, step_time_s, grad_norm = self._latest
-        if step_time_s is not None and not (math.isfinite(step_time_s) and step_time_s >= 0):
-            step_time_s = None
-        identity = self.identity
-        return {"rank": identity["rank"], "world_size": identity["world_size"], "job": identity["job"],
-                "host": identity["host"], "pid": identity["pid"], "step": step,
-                "step_time_s": step_time_s, "dropped": self.dropped, "grad_norm": json_float(grad_norm)}
-
-    def empty(self) -> bool:
-        """Nothing waits to be sent (events sent and not received may still come back)."""
-        return not self.control and self._carry is None and not self._again and self._queue.empty()
-
-    def settled(self) -> bool:
-        """Everything was sent, and every event received."""
-        return self.empty() and not self.unreceived
-
-    def take_batch(self) -> list[Numbered]:
-        """Up to MAX_EVENTS events with consecutive numbers that share one action: those to send
-        again first, else queued ones while fewer than the window are unreceived."""
-        if self._again:
-            return self._take_again()
-        room = min(MAX_EVENTS, self._window - len(self.unreceived))
-        batch: list[Numbered] = []
-        while len(batch) < room:
-            if self._carry is not None:
-                item, self._carry = self._carry, None
-            else:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if batch and item[1] != batch[0][2]:
-                self._carry = item
-                break
-            batch.append((self._next, *item))
-            self._next += 1
-        return batch
-
-    def _take_again(self) -> list[Numbered]:
-        batch = [self._again.popleft()]
-        while self._again and len(batch) < MAX_EVENTS:
-            number, _, action = self._again[0]
-            if number != batch[-1][0] + 1 or action != batch[0][2]:
-                break
-            batch.append(self._again.popleft())
-        return batch
-
-    def sent(self, batch: list[Numbered], now: float) -> None:
-        """``batch`` is on its way: kept until the coordinator says it received it."""
-        if not self.unreceived:
-            self._answered_at = now
-        self.unreceived.extend(batch)
-
-    def unsent(self, batch: list[Numbered]) -> None:
-        """``batch`` could not be sent now: first in line next time."""
-        self._again.extendleft(reversed(batch))
-
-    def received(self, count: int, now: float) -> None:
-        """The coordinator holds every event numbered below ``count``."""
-        if self.unreceived and self.unreceived[0][0] < count:
-            self._answered_at = now
-        while self.unreceived and self.unreceived[0][0] < count:
-            self.unreceived.popleft()
-        while self._again and self._again[0][0] < count:
-            self._again.popleft()
-
-    def send_again(self, now: float | None = None) -> None:
-        """Send every unreceived event again: always (a new connection: what ZeroMQ held for the
-        last one is gone), or at ``now`` when none was received for ``_RESEND_AFTER_S``."""
-        if now is not None and (not self.unreceived or now - self._answered_at < _RESEND_AFTER_S):
-            return
-        if now is not None:
-            self._answered_at = now
-        self._again = deque(sorted([*self.unreceived, *self._again], key=lambda item: item[0]))
-        self.unreceived.clear()
-
-    def goodbye(self, clean: bool) -> None:
-        """The last heartbeat (the last step, and every event dropped) and the ``bye``, after the rest."""
-        self.control.append(("heartbeat", self.heartbeat()))
-        self.control.append(("bye", {"rank": self.identity["rank"], "job": self.identity["job"], "clean": clean}))
-
-    def drop_unsent(self) -> tuple[int, int]:
-        """Forget the events left, unsent or unreceived, counted as dropped (closing): (events,
-        other messages but the goodbye's)."""
-        events = len(self.unreceived) + len(self._again) + (self._carry is not None) + self._queue.qsize()
-        self.unreceived.clear()
-        self._again.clear()
-        self._carry = None
-        while not self._queue.empty():
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self.dropped_sent += events
-        return events, sum(type_ not in ("bye", "heartbeat") for type_, _ in self.control)
-
-
-class Link:
-    """The protocol state of one rank's link to the coordinator, apart from the socket.
-
-    ``sender`` names this session (every message to it must say so in ``to``). ``instance`` is the
-    coordinator instance that welcomed this connection, or None before its ``welcome``: until then
-    only handshakes go out.
-    """
-
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        self.instance: str | None = None
-        self._replay = ReplayFilter(max_senders=16)
-        self._first_handshake: int | None = None
-        """seq of the first handshake on this connection: a welcome must answer one of ours since"""
-
-    @property
-    def sender(self) -> str:
-        return self.codec.sender
-
-    def reset(self) -> None:
-        """A new connection (or none): welcome again before anything else is sent."""
-        self.instance, self._first_handshake = None, None
-
-    def handshake(self) -> list[bytes]:
-        frames = self.codec.encode("handshake", {}, to="")
-        if self._first_handshake is None:
-            self._first_handshake = self.codec.last_seq
-        return frames
-
-    def encode(self, type_: str, body: dict[str, Any]) -> list[bytes]:
-        """A message to the welcoming instance (never called before the welcome)."""
-        return self.codec.encode(type_, body, to=self.instance)
-
-    def read(self, frames: list[bytes], now: float) -> Message:
-        """A message from the coordinator: a ``welcome`` (then ``instance`` is set), or a ``stop`` or
-        ``received`` of the welcoming instance; raises ProtocolError for anything else."""
-        message = self.codec.decode(frames)
-        self._replay.check(message, now)
-        if message.type == "welcome":
-            first = self._first_handshake
-            if first is None or message.body["handshake_seq"] < first:
-                raise ProtocolError(f"a welcome from {message.sender} that answers no handshake of this "
-                                    "connection", reason="replayed")
-            self.instance = message.sender
-        elif message.type in ("stop", "received"):
-            if message.sender != self.instance:
-                raise ProtocolError(f"a {message.type} from {message.sender}, not from the coordinator instance "
-                                    f"that welcomed this connection ({self.instance})", reason="instance")
-        else:
-            raise ProtocolError(f"a {message.type} message does not travel to a rank", reason="schema")
-        return message
 
 
 class _Sender:
@@ -359,6 +146,27 @@ class _Sender:
         return True
 
 
+class _StopCommands:
+    """The coordinator's stop commands: each is acked, first in line, every time it comes; a new one
+    is handed to ``on_stop`` once (one sent again because the ack was late is not)."""
+
+    def __init__(self, outbox: Outbox, rank: int, on_stop: OnStop | None):
+        self._outbox, self._rank, self.on_stop = outbox, rank, on_stop
+        self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
+
+    def command(self, body: dict[str, Any]) -> None:
+        command_id = body["command_id"]
+        self._outbox.control.appendleft(("ack", {"rank": self._rank, "command_id": command_id}))
+        if command_id in self._delivered:
+            return
+        self._delivered.append(command_id)
+        if self.on_stop is not None:
+            try:
+                self.on_stop(command_id, body["reason"], body["origin"])
+            except Exception:  # noqa: BLE001 - the user's callback must not end this thread
+                log.exception("nanguard: on_stop raised for stop command %s; the client goes on", command_id)
+
+
 class _Stalled(Exception):
     """The connection carried nothing back though asked: the client thread makes a new one."""
 
@@ -385,6 +193,18 @@ class _Closing:
         return "end" if done or not reachable or now >= self.deadline else None
 
 
+def _check_identity(identity: dict[str, Any]) -> None:
+    """ValueError unless ``identity`` is a valid ``hello`` body with exactly the identity fields."""
+    missing = [name for name in IDENTITY_FIELDS if name not in identity]
+    if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
+        raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
+                         f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); got {', '.join(sorted(identity))}")
+    try:
+        check_body("hello", identity)
+    except ProtocolError as exc:
+        raise ValueError(f"invalid identity: {exc}") from None
+
+
 def _dealer_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
@@ -393,52 +213,6 @@ def _dealer_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-
-
-class Silence:
-    """Says when the coordinator has not answered for a while, and when it answers again.
-
-    The link is up from the coordinator's ``welcome`` until a disconnect. Down for ``after_s`` (the
-    process starting counts as down), it is said once, with the likely causes; when the link comes
-    back after that, once more. The client thread asks; nothing here touches a socket.
-    """
-
-    def __init__(self, address: str, after_s: float, now: float):
-        self.address, self.after_s = address, after_s
-        self._since: float | None = now
-        """when the link went down, or None while it is up"""
-        self._said = False
-
-    def down(self, now: float) -> None:
-        if self._since is None:
-            self._since, self._said = now, False
-
-    def check(self, now: float, connected: bool) -> str | None:
-        """The warning, once per time the link is down past ``after_s``; ``connected``: a connection
-        is open, but no welcome came over it."""
-        if self._since is None or self._said or now - self._since < self.after_s:
-            return None
-        self._said = True
-        waited = f"for {now - self._since:.0f} s"
-        if connected:
-            why = (f"the coordinator at {self.address} accepts the connection but has not welcomed this "
-                   f"rank {waited}: does NANGUARD_TOKEN differ from the coordinator's, or does it serve "
-                   "another job?")
-        else:
-            why = (f"no coordinator has answered at {self.address} {waited}: is nanguard coordinator "
-                   "running there and reachable from this host, with the same CurveZMQ key "
-                   "(NANGUARD_CURVE_PUBLIC_KEY) if it uses one?")
-        return (f"nanguard: {why} Training goes on, guarded locally; events wait in a bounded queue "
-                "(then count as dropped) and this is said again when the link is up")
-
-    def up(self, now: float) -> str | None:
-        """The coordinator welcomed this rank: the notice that the link is back, if it was said to be down."""
-        since, said = self._since, self._said
-        self._since, self._said = None, False
-        if since is None or not said:
-            return None
-        return (f"nanguard: the coordinator at {self.address} answers again after {now - since:.0f} s; "
-                "this rank reports to it")
 
 
 class Client:
@@ -455,22 +229,13 @@ class Client:
                  queue_size: int = 1024, heartbeat_s: float = 2.0, on_stop: OnStop | None = None,
                  curve_public_key: str | None = None, context: zmq.Context | None = None):
         parse_address(address)  # ValueError: says what an address looks like
-        missing = [name for name in IDENTITY_FIELDS if name not in identity]
-        if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
-            raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
-                             f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); "
-                             f"got {', '.join(sorted(identity))}")
-        try:
-            check_body("hello", identity)
-        except ProtocolError as exc:
-            raise ValueError(f"invalid identity: {exc}") from None
+        _check_identity(identity)
         if not (isinstance(queue_size, int) and queue_size > 0 and heartbeat_s > 0):
             raise ValueError(f"queue_size={queue_size!r} and heartbeat_s={heartbeat_s!r} must be positive")
         if curve_public_key is not None:
             check_curve_key(curve_public_key, "curve_public_key")
         self.address = address
         self.identity = dict(identity)
-        self.on_stop = on_stop
         self._context = context or zmq.Context.instance()
         self._curve_public_key = curve_public_key
         # the session name is unguessable and new for every process: a coordinator binds the rank
@@ -479,14 +244,13 @@ class Client:
                                 f"{secrets.token_hex(8)}", token))
         self._outbox = Outbox(self.identity, queue_size)
         self._sender = _Sender(self._outbox, self._link, self.identity, heartbeat_s, self._warn)
-        self._delivered: deque[str] = deque(maxlen=_MAX_REMEMBERED_COMMANDS)
+        self._stops = _StopCommands(self._outbox, self.identity["rank"], on_stop)
         self._connected = False
         self._welcomed = False
         """a coordinator welcomed this rank once (closing then waits for it to come back)"""
         self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
-        self._dead_after_s = max(_LINK_DEAD_S, 4 * heartbeat_s)
-        self._heard = 0.0
-        """when (monotonic) the coordinator last said anything over this connection, or it was made"""
+        self._hearing = Hearing(max(_LINK_DEAD_S, 4 * heartbeat_s))
+        self._admission = Admission(address, _HELLO_AGAIN_S)
         self._throttle = Throttle(_WARN_EVERY_S)
         self._stopping = threading.Event()
         self._closing: _Closing | None = None
@@ -639,12 +403,16 @@ class Client:
         nothing back for a while for an answer, and give it up (_Stalled) when none comes."""
         if said := self._silence.check(now, self._connected):
             log.warning("%s", said)
-        quiet_s = now - self._heard
         live = self._connected and self._link.instance is not None
-        self._sender.ask = live and quiet_s > self._dead_after_s / 4
-        if live and quiet_s > self._dead_after_s:
+        self._sender.ask = live and self._hearing.ask(now)
+        again, said = self._admission.again(now) if live else (False, None)
+        if again:
+            self._outbox.control.appendleft(("hello", self.identity))
+        if said:
+            log.warning("%s", said)
+        if live and self._hearing.dead(now):
             log.info("nanguard: nothing came from the coordinator at %s for %.0f s though this rank asked; "
-                     "the connection is made again", self.address, quiet_s)
+                     "the connection is made again", self.address, self._hearing.quiet_s(now))
             raise _Stalled
 
     def _connection_events(self, monitor: zmq.Socket) -> None:
@@ -654,7 +422,7 @@ class Client:
                 # first contact, a coordinator restarted, or the network came back: learn which
                 # instance is there before saying anything else
                 self._connected = True
-                self._heard = time.monotonic()
+                self._hearing.heard(time.monotonic())
                 self._link.reset()
                 self._sender.next_handshake = self._sender.next_heartbeat = 0.0
             elif event == zmq.EVENT_DISCONNECTED:
@@ -678,7 +446,7 @@ class Client:
                 self._warn(exc.reason, f"nanguard: dropped a bad message from the coordinator at "
                            f"{self.address}: {exc}")
                 continue
-            self._heard = time.monotonic()
+            self._hearing.heard(time.monotonic())
             if message.type == "welcome":
                 self._welcomed = True
                 if said := self._silence.up(time.monotonic()):
@@ -686,24 +454,15 @@ class Client:
                 # introduce this rank to the instance, first in line; then what this rank sent and
                 # was not received (ZeroMQ dropped what it held for the last connection)
                 self._outbox.control.appendleft(("hello", self.identity))
+                self._admission.asked(time.monotonic())
                 self._outbox.send_again()
                 self._sender.next_heartbeat = 0.0
             elif message.type == "received":
+                if said := self._admission.answered(time.monotonic()):
+                    log.warning("%s", said)
                 self._outbox.received(message.body["events"], now)
             else:
-                self._on_stop_command(message.body)
-
-    def _on_stop_command(self, body: dict[str, Any]) -> None:
-        command_id = body["command_id"]
-        self._outbox.control.appendleft(("ack", {"rank": self.identity["rank"], "command_id": command_id}))
-        if command_id in self._delivered:
-            return  # sent again because our ack was late: already handed on
-        self._delivered.append(command_id)
-        if self.on_stop is not None:
-            try:
-                self.on_stop(command_id, body["reason"], body["origin"])
-            except Exception:  # noqa: BLE001 - the user's callback must not end this thread
-                log.exception("nanguard: on_stop raised for stop command %s; the client goes on", command_id)
+                self._stops.command(message.body)
 
     def _drop_unsent(self) -> None:
         events, others = self._outbox.drop_unsent()

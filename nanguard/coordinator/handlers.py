@@ -115,6 +115,8 @@ class Handlers:
             self._held.clear()
         if hello.new_session:
             self.stops.registered(hello.state, at)
+        # the answer lets the rank know it is in (one refused asks again: client.py)
+        self._reply(identity, message, "received", {"rank": hello.state.rank, "events": self._holding(hello.state)})
 
     def _on_heartbeat(self, state, message: Message, identity: bytes, at: Instant) -> None:
         self.ranks.heartbeat(state, message.body, at)

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from nanguard import Event, ProtocolError
-from nanguard.client import Client, Link, Silence
+from nanguard.client import Client
+from nanguard.link import Admission, Link, Silence
 from nanguard.wire import Codec
 
 IDENTITY = {"rank": 3, "local_rank": 1, "world_size": 4, "host": "node1", "pid": 4242, "job": "j",
@@ -189,7 +190,7 @@ def test_events_not_received_are_sent_again_and_those_never_received_counted_bef
     """Numbered batches: one the coordinator never answers is sent again (same numbers), until it
     says ``received``; at close, what it never received counts as dropped in the last heartbeat,
     which goes before the goodbye."""
-    monkeypatch.setattr("nanguard.client._RESEND_AFTER_S", 0.2)
+    monkeypatch.setattr("nanguard.outbox._RESEND_AFTER_S", 0.2)
     client = make_client(coordinator.address, heartbeat_s=60)
     identity, _ = coordinator.until("hello")
     for step in range(3):
@@ -350,6 +351,42 @@ def test_a_quiet_link_asks_for_an_answer_and_one_that_stays_quiet_is_made_again(
     new_identity, hello = coordinator.until("hello", timeout_s=10)
     assert new_identity != identity and hello.sender == first_sender  # the same session, a new connection
     assert client._thread.is_alive()
+
+
+def test_a_hello_the_coordinator_does_not_answer_is_sent_again_until_it_does(coordinator, make_client,
+                                                                          monkeypatch, caplog):
+    """A coordinator refuses a new launch while it counts the last one's ranks alive (killed without a
+    bye): the rank, unanswered, says hello again every few seconds, says once that it is not let in,
+    and once more when it is; an answered hello is not sent again."""
+    monkeypatch.setattr("nanguard.client._HELLO_AGAIN_S", 0.3)
+    caplog.set_level("WARNING", logger="nanguard.client")
+    make_client(coordinator.address, heartbeat_s=0.1)
+    identity, first = coordinator.until("hello")
+    _, again = coordinator.until("hello", timeout_s=5)  # refused (no answer): asked again
+    assert again.sender == first.sender and again.seq > first.seq
+    _, third = coordinator.until("hello", timeout_s=5)
+    refused = [r.getMessage() for r in caplog.records if "has not let this rank in" in r.getMessage()]
+    assert len(refused) == 1 and "asks again every 0.3 s" in refused[0], refused
+    coordinator.send(identity, "received", {"rank": 3, "events": 0})
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        _, message = coordinator.receive(1)[0]
+        assert message.type != "hello" or time.monotonic() < deadline - 1.2, "hello sent again once let in"
+    assert any("let this rank in after" in r.getMessage() for r in caplog.records)
+
+
+def test_admission_says_a_refusal_once_and_only_after_again_s():
+    admission = Admission("tcp://10.0.0.7:5555", again_s=5.0)
+    assert admission.again(100.0) == (False, None)  # no hello sent yet
+    admission.asked(100.0)
+    assert admission.again(104.9) == (False, None)
+    again, said = admission.again(105.0)
+    assert again and "has not let this rank in (5 s without an answer to its hello)" in said
+    assert admission.again(107.0) == (False, None) and admission.again(110.0) == (True, None)
+    assert admission.answered(111.0) == "nanguard: the coordinator at tcp://10.0.0.7:5555 let this rank in after 11 s"
+    assert admission.again(200.0) == (False, None)  # answered: nothing more to ask
+    admission.asked(300.0)
+    assert admission.answered(300.5) is None  # answered before a refusal was said: nothing to say
 
 
 def test_silence_is_said_once_per_outage_with_its_likely_causes_and_its_end():

@@ -178,6 +178,7 @@ def test_numbered_events_are_answered_and_counted_once_whatever_is_sent_again():
     coordinator = Coordinator()
     rank = Codec("rank0@h:1:s1", None)
     coordinator.receive(rank, "hello", HELLO)
+    assert coordinator.replies.pop() == ("received", {"rank": 0, "events": 0})  # let in
     sample = coordinator.registry.get_sample_value
     spike = {"kind": "spike", "rank": 0, "step": 1, "layer": ""}
 
@@ -194,6 +195,7 @@ def test_numbered_events_are_answered_and_counted_once_whatever_is_sent_again():
     assert sample("nanguard_warning_events_total", {"kind": "spike", "rank": "0"}) == 6
     restarted = Codec("rank0@h:7:s9", None)
     coordinator.receive(restarted, "hello", dict(HELLO, pid=7))
+    assert coordinator.replies.pop() == ("received", {"rank": 0, "events": 0})  # a new process holds none
     assert batch(0, 2, restarted) == ("received", {"rank": 0, "events": 2})
     coordinator.receive(restarted, "events", {"rank": 0, "job": "job1", "events": [spike], "action": "warn"})
     assert coordinator.replies == [] and coordinator.ranks.status()[0]["events"] == 9
@@ -205,6 +207,7 @@ def test_a_heartbeat_that_asks_is_answered_with_what_its_session_holds():
     coordinator = Coordinator()
     rank = Codec("rank0@h:1:s1", None)
     coordinator.receive(rank, "hello", HELLO)
+    assert coordinator.replies.pop() == ("received", {"rank": 0, "events": 0})  # the hello's answer
     beat = {"rank": 0, "world_size": 2, "job": "job1", "host": "h", "pid": 1, "step": 3, "step_time_s": None,
             "dropped": 0, "grad_norm": None}
     coordinator.receive(rank, "heartbeat", beat)

@@ -100,6 +100,7 @@ def test_a_real_coordinator_counts_events_a_re_run_did_not_reproduce(started):
         sock.send_multipart(codec.encode("hello", {
             "rank": 1, "local_rank": 1, "world_size": 2, "host": "gpu-node-7", "pid": 42, "job": "j",
             "device": "cuda:1", "version": "t"}, to=instance))
+        assert sock.poll(10_000) and codec.decode(sock.recv_multipart()).type == "received"  # let in
         events = [event(reproduced=False, verdict="transient", device="cuda:1 GPU-5c1e"),
                   event(reproduced=False, device="cuda:1 GPU-5c1e"),
                   event(reproduced=True, verdict="reproducible", device="cuda:1 GPU-5c1e"),

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanguard import ProtocolError
-from nanguard.client import Link
+from nanguard.link import Link
 from nanguard.protocol import VERDICTS_IN_JOB, WIRE_REASONS
 from nanguard.wire import TYPES, Codec, Message
 
