@@ -25,7 +25,8 @@ from ..errors import GuardClosedError, NanguardError
 from ..events import Event, EventLog
 from ..incident import rng_snapshot
 from . import ending, outcome, resume
-from .decision import Decider, StepClock
+from .clock import StepClock
+from .decision import Decider
 from .detector import Detector
 from .records import StepLog
 from .modules import ddp_inner, unwrap_optimizer

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
-from .decision import StepClock
+from .clock import StepClock
 from .respond import Responder
 
 VERSION = 1

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard.rank import records
+from nanguard.rank import places
 from conftest import make_mlp, train_step
 
 
@@ -206,7 +206,7 @@ def host_reads(monkeypatch):
     The probes are taken to sit on a device: nothing is free to read at a forward's end
     (``Slots.read_if_free`` reads only CPU memory: test_detail_of_a_clean_forward_* below)."""
     counter = {"n": 0}
-    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, values: None)
+    monkeypatch.setattr(places.Slots, "read_if_free", lambda self, values: None)
     package = os.path.dirname(nanguard.__file__) + os.sep
 
     def from_nanguard() -> bool:  # optimizers read their own step counters: not ours to count
@@ -342,8 +342,8 @@ def test_little_kept_detail_is_not_worth_a_read_at_the_forward_end(monkeypatch):
     # 64 x 16 activations: reading the probes at each forward's end would cost more than
     # giving back a few KiB saves; they are kept to the decision, as on a device
     reads = []
-    free_read = records.Slots.read_if_free
-    monkeypatch.setattr(records.Slots, "read_if_free", lambda self, values: reads.append(1) or free_read(self, values))
+    free_read = places.Slots.read_if_free
+    monkeypatch.setattr(places.Slots, "read_if_free", lambda self, values: reads.append(1) or free_read(self, values))
     for width, read in ((16, []), (2048, [1] * 4)):  # 64 x 2048 floats: 512 KiB, worth it
         model = make_mlp(width)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -370,7 +370,7 @@ def test_detail_of_a_clean_forward_is_spent_again_on_the_next_micro_batch():
 def test_only_values_in_cpu_memory_are_free_to_read():
     # on a device, reading the probes at a forward's end would sync: only the step's one read does
     for device, free in (("cpu", [1.0, 2.0]), ("meta", None)):
-        slots = records.Slots()
+        slots = places.Slots()
         like = torch.empty(3, device=device)
         low, high = slots.take(like)
         if free:

@@ -13,6 +13,7 @@ import nanguard
 PACKAGE = pathlib.Path(nanguard.__file__).parent
 MAX_CLASS_LINES = 260
 MAX_FUNCTION_LINES = 55
+MAX_FILE_LINES = 500
 
 
 def test_no_class_or_function_outgrows_a_reading():
@@ -24,4 +25,11 @@ def test_no_class_or_function_outgrows_a_reading():
             if limit is not None and node.end_lineno - node.lineno + 1 > limit:
                 too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
                                 f" ({node.end_lineno - node.lineno + 1} lines)")
+    assert not too_long, "split these: " + ", ".join(too_long)
+
+
+def test_no_module_outgrows_a_reading():
+    """A module past ~500 lines holds more than one job: split it where there is a seam."""
+    too_long = [f"{path.relative_to(PACKAGE)} ({count} lines)" for path in sorted(PACKAGE.rglob("*.py"))
+                if (count := len(path.read_text().splitlines())) > MAX_FILE_LINES]
     assert not too_long, "split these: " + ", ".join(too_long)

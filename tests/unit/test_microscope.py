@@ -360,7 +360,7 @@ def test_a_model_that_fails_when_re_run_is_still_stopped_and_says_it_could_not_t
 def test_calls_of_a_models_parts_beyond_what_is_held_are_said_not_re_run():
     """A script that calls a model's part itself, more often in a step than the microscope holds: the calls
     past MAX_PARTS are not re-run, so a NaN made there is not called transient."""
-    from nanguard.rank.detector import MAX_PARTS
+    from nanguard.rank.hooks import MAX_PARTS
 
     torch.manual_seed(0)
     model = nn.ModuleDict({"cell": nn.Linear(4, 4)})  # (no forward of its own: the script calls its cell)

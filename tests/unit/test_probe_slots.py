@@ -1,4 +1,4 @@
-"""Probes write into places made in advance (records.Slots): whatever the step looks like (more
+"""Probes write into places made in advance (places.Slots): whatever the step looks like (more
 probes than any step before, dtypes mixed, inference mode first), each step's values are its own
 and the report names the right module."""
 
@@ -150,7 +150,7 @@ def test_a_steady_step_writes_every_probe_into_its_places_and_stacks_none(dtypes
 def test_a_mixed_step_puts_each_probe_back_in_order():
     # the flight recorder's loss and the reports read values by probe: bf16, float32 and float64
     # probes interleaved must come back in the order they were made, whatever buffer held them
-    from nanguard.rank.records import Slots
+    from nanguard.rank.places import Slots
 
     slots, values, expected = Slots(), [], []
     for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.bfloat16, torch.float64, torch.float32] * 3):
@@ -167,7 +167,7 @@ def test_a_mixed_step_puts_each_probe_back_in_order():
 def test_the_norms_read_with_the_probes_keep_their_values_whatever_their_dtype():
     # the gradients' norms go after the probes in their buffer only when of its dtype: a float32
     # norm of 1e5 cast into a float16 buffer would read as inf, a clean step as a bad one
-    from nanguard.rank.records import Slots
+    from nanguard.rank.places import Slots
 
     slots = Slots()
     tensor = torch.tensor([1.0, 2.0], dtype=torch.float16)

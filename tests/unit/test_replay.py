@@ -524,7 +524,7 @@ _VALUES = st.one_of(
                  st.none(), st.integers()))
 def test_non_persistent_buffers_of_any_incident_are_loaded_only_when_each_fits(saved):
     from nanguard.incident import IncidentError as Refused
-    from nanguard.replay.observer import unpersisted
+    from nanguard.replay.load import unpersisted
 
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), Rotary(16), nn.Linear(16, 4))
     fits = isinstance(saved, dict) and all(

@@ -244,7 +244,7 @@ def test_what_the_operation_check_never_blames():
         torch.where(scores > 0, torch.tensor(math.nan), scores)  # a NaN number, but not written in place
         masked(scores)  # a skipped module may make -inf on purpose
         huge = torch.full((4,), 3e38)
-        from nanguard.rank.detector import probe
+        from nanguard.rank.backward import probe
 
         probe(huge)  # nanguard's own sum overflows: not the user's
         for _ in range(20):  # uninitialised memory (overloads too: empty.memory_format) is not a fault,

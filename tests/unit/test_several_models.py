@@ -263,7 +263,7 @@ def test_a_step_stopped_at_a_later_optimizer_is_refused_by_a_replay_with_the_rea
             max_size=2)), max_size=2)))
 def test_another_model_of_any_incident_is_loaded_only_when_it_fits(extra):
     from nanguard.incident import IncidentError as Refused
-    from nanguard.replay.observer import load_other_model
+    from nanguard.replay.load import load_other_model
 
     model = nn.Linear(4, 1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -457,7 +457,7 @@ def test_an_optimizer_state_is_loaded_only_into_the_optimizer_of_its_parameters(
                                                                         max_size=3)))
 def test_the_names_of_any_incidents_optimizer_parameters_are_a_list_of_names_or_refused(held):
     from nanguard.incident import IncidentError as Refused
-    from nanguard.replay.observer import _optimizer_params
+    from nanguard.replay.load import _optimizer_params
 
     fine = held is None or (isinstance(held, list) and all(isinstance(n, str) for n in held))
     if fine:

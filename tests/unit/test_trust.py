@@ -18,7 +18,7 @@ from test_guard import GradFault, NanBackward
 from torch import nn
 
 import nanguard
-from nanguard.rank.detector import FINITE_PRESERVING
+from nanguard.rank.hooks import FINITE_PRESERVING
 
 
 class MaskedAttention(nn.Module):
