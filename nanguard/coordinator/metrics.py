@@ -155,12 +155,12 @@ class Metrics:
         """Messages dropped unsent: ``full`` to peers that do not read (said once, in the log too),
         ``gone`` to connections that closed (a dead rank's stop copies: normal)."""
         if full:
-            self.replies_dropped.labels("full").inc(full)
-            if not self._said_full:
+            if not self._said_full:  # (said before it is counted: whoever sees the count can read why)
                 self._said_full = True
                 log.warning("a peer does not read what the coordinator sends it: what is sent past the few "
                             "messages queued per connection is dropped and counted in "
                             "nanguard_replies_dropped_total{reason=\"full\"} (said once)")
+            self.replies_dropped.labels("full").inc(full)
         if gone:
             self.replies_dropped.labels("gone").inc(gone)
 
