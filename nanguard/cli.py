@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     keys = commands.add_parser("keys", help="print a new CurveZMQ key pair for the coordinator (optional "
                                              "encryption of the ranks' link)")
     keys.set_defaults(func=_keys)
-    # listed here for --help; its own parser (nanguard/incident/report.py) reads its arguments
+    # listed here for --help; its own parser (nanguard/incident/inspection.py) reads its arguments
     commands.add_parser("inspect", add_help=False,
                         help="summarise an incident folder: nanguard inspect DIR [--json] [--plot FILE.png]")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["inspect"]:
-        from .incident.report import main as inspect_main
+        from .incident.inspection import main as inspect_main
 
         return inspect_main(argv[1:])
     args = parser.parse_args(argv)

@@ -258,7 +258,7 @@ def _coordinator(procs: _Processes, folder: Path, env: dict[str, str]) -> dict[s
 
 def _show(procs: _Processes, folder: Path, env: dict[str, str], steps: int, bad_step: int) -> None:
     from .incident import read_incident
-    from .incident.report import summary
+    from .incident.inspection import summary
 
     incidents = folder / "incidents"
     ready = _coordinator(procs, folder, env)

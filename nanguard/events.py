@@ -299,7 +299,7 @@ def _checked_values(data: Any) -> dict[str, Any]:
     return values
 
 
-class EventLog:
+class RecentEvents:
     """A thread-safe ring of the most recent events; memory stays bounded however many arrive."""
 
     def __init__(self, capacity: int):

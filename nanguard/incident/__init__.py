@@ -6,10 +6,10 @@ back verified.
     manifest  the format: names, the manifest, every rule a manifest must follow
     writer    one rank's part, the manifest, the replay report; the capture across ranks
     reader    Incident and read_incident
-    flight    the flight recorder (flight.json): its format, checked as untrusted input, and its drawing
+    flight_chart  the flight recorder (flight.json): its format, checked as untrusted input, and its drawing
     replay_lines  a replay's report (replay.json) as readable lines: the replay prints them, and
                   ``nanguard inspect``
-    report    what ``nanguard inspect`` prints (imported on its own, by the CLI)
+    inspection  what ``nanguard inspect`` prints (imported on its own, by the CLI)
 
 No hooks and no ``torch.distributed`` here: ``capture_incident`` takes its collectives as an
 argument and plain data from the caller.

@@ -146,7 +146,7 @@ class Incident:
     def rank_flight(self, rank: int) -> Any:
         """The rank's flight.json as written (rank/flight.py's format), or None where it was not
         kept (flight_steps=0, or an incident older than the recorder); not validated here
-        (``incident.flight.parse`` checks it)."""
+        (``incident.flight_chart.parse`` checks it)."""
         if f"{rank_folder(rank)}/{FLIGHT}" not in self.manifest["ranks"][rank]["files"]:
             return None
         return _json(self._file(rank, FLIGHT))

@@ -22,7 +22,7 @@ from torch import nn
 from .._dist import Collectives, RankInfo, settle_gloo_workers
 from ..config import Settings
 from ..errors import GuardClosedError, NanguardError
-from ..events import Event, EventLog
+from ..events import Event, RecentEvents
 from ..incident import rng_snapshot
 from . import ending, outcome, resume
 from .clock import StepClock
@@ -61,7 +61,7 @@ class Guard:
         self._clock = StepClock(optimizer_seen=bool(optimizers))
         self._skipped_in_a_row, self._run_told = 0, False  # (steps a GradScaler skipped; that run warned of)
         self._observer = observer or StepObserver()
-        self._events = EventLog(settings.max_events)
+        self._events = RecentEvents(settings.max_events)
         sentinel = settings.mode == "sentinel"
         verdict = not self._observer.replays  # (a replay is the verdict of its own)
         saves_batches = settings.capture is not False and settings.capture_batch

@@ -17,7 +17,7 @@ from .._dist import Collectives, RankInfo
 from .._throttle import Throttle
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
-from ..events import Event, EventLog, within
+from ..events import Event, RecentEvents, within
 from ..incident import RankPart, capture_incident, rng_snapshot
 from ..incident.rng import HOST
 from ..protocol import OBSERVED
@@ -55,7 +55,7 @@ class Responder:
     what an incident holds besides the optimizer."""
 
     def __init__(self, settings: Settings, identity: RankInfo, group: Collectives, reporter: Reporter,
-                 events: EventLog, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
+                 events: RecentEvents, states: dict[str, Any], on_stop: Callable[[Exception], Any] | None,
                  models_to_save: Callable[[], list[tuple[str, nn.Module]]],
                  step_inputs: Callable[[nn.Module | None], tuple[list, dict[str, Any]]],
                  param_name: Callable[[torch.Tensor], str], buffers: Buffers):

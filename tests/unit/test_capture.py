@@ -20,7 +20,7 @@ from torch import nn
 from nanguard import Event
 from nanguard import incident as capture
 from nanguard.incident import IncidentError, finalize, fsio, new_incident_dir, read_incident, write_rank
-from nanguard.incident import report as inspect
+from nanguard.incident import inspection as inspect
 
 
 class Pair(typing.NamedTuple):

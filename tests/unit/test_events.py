@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from nanguard import Event, ProtocolError
-from nanguard.events import EventLog
+from nanguard.events import RecentEvents
 from nanguard.protocol import VERDICTS_IN_JOB
 
 
@@ -51,7 +51,7 @@ def test_from_dict_rejects_bad_input(data, fragment):
 
 
 def test_ring_is_bounded_and_thread_safe():
-    log = EventLog(10)
+    log = RecentEvents(10)
 
     def add_many():
         for i in range(1000):

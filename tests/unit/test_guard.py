@@ -540,7 +540,7 @@ def test_two_optimizers_count_one_step_per_iteration():
 
 def test_raise_captures_the_state_from_before_the_step(incidents_in_tmp):
     from nanguard import incident as capture
-    from nanguard.incident import report as inspect
+    from nanguard.incident import inspection as inspect
 
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

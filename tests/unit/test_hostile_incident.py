@@ -25,7 +25,7 @@ from test_capture import edit_manifest
 from test_replay import REPO, Sqrt, scaled_and_scheduled, train
 
 import nanguard
-from nanguard.incident import IncidentError, read_incident, report
+from nanguard.incident import IncidentError, inspection as report, read_incident
 from nanguard.incident.reader import _check_state
 from nanguard.incident.rng import check_record, rng_record, rng_restore, rng_snapshot
 

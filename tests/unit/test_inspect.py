@@ -5,7 +5,7 @@ import os
 
 from nanguard import incident as capture
 from nanguard.incident import read_incident
-from nanguard.incident import report as inspect
+from nanguard.incident import inspection as inspect
 from test_capture import first_event, flip_byte, make_incident, rank_inputs
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from nanguard.incident import flight, read_incident
-from nanguard.incident import report as inspect
+from nanguard.incident import flight_chart as flight, read_incident
+from nanguard.incident import inspection as inspect
 from nanguard.incident.fsio import digest, write_json
 from test_capture import make_incident
 

@@ -164,7 +164,7 @@ def test_deterministic_bug_is_reproducible(monkeypatch, capsys):
     assert first["output"]["bad_count"] > 0
     out = capsys.readouterr().out
     assert "reproducible" in out and err.incident in out
-    from nanguard.incident.report import main as inspect_main
+    from nanguard.incident.inspection import main as inspect_main
 
     assert inspect_main([err.incident]) == 0
     assert "trace        rank 0 forward: 2 (Sqrt, producer, micro-batch 0)" in capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_transient_fault_is_not_reproducible(monkeypatch, capsys, guard_mode):
     assert message.index("the script's own state") < message.index("non-determinism") < message.index("hardware")
     assert "key such code on guard.step" in message
     # inspect shows the verdict
-    from nanguard.incident.report import main as inspect_main
+    from nanguard.incident.inspection import main as inspect_main
 
     capsys.readouterr()
     assert inspect_main([err.incident]) == 0

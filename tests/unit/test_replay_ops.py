@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from nanguard.incident.report import summary
+from nanguard.incident.inspection import summary
 from nanguard.incident import read_incident
 from nanguard.replay.ops import OpWatch
 from replay_script import line_of, replay, run

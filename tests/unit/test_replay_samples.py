@@ -12,7 +12,7 @@ from torch import nn
 
 import nanguard
 from nanguard.errors import IncidentError
-from nanguard.incident.report import main as inspect_main
+from nanguard.incident.inspection import main as inspect_main
 from nanguard.replay import samples
 from replay_script import replay, run
 

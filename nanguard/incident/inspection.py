@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import IncidentError
 from ..events import Event
 from .._text import printable
-from . import flight
+from . import flight_chart
 from .fsio import plain
 from .manifest import FLIGHT
 from .reader import Incident, read_incident
@@ -70,24 +70,24 @@ def _flight_ranks(incident: Incident) -> list[int]:
 def _flight_json(incident: Incident, rank: int) -> dict[str, Any]:
     try:
         recorded = read_flight(incident, rank)
-    except flight.FlightError as exc:
+    except flight_chart.FlightError as exc:
         return {"problem": str(exc)}
     return plain({"columns": recorded.columns, "rows": recorded.rows, "top_params": recorded.top_params})
 
 
-def read_flight(incident: Incident, rank: int) -> flight.Flight | None:
+def read_flight(incident: Incident, rank: int) -> flight_chart.Flight | None:
     """Rank ``rank``'s flight recorder, checked; None when it has none; FlightError (naming the
     file) when it is malformed."""
     try:
         data = incident.rank_flight(rank)
     except IncidentError as exc:
-        raise flight.FlightError(exc.reason) from exc
+        raise flight_chart.FlightError(exc.reason) from exc
     if data is None:
         return None
     try:
-        return flight.parse(data)
-    except flight.FlightError as exc:
-        raise flight.FlightError(f"rank{rank}/{FLIGHT} is malformed: {exc}") from exc
+        return flight_chart.parse(data)
+    except flight_chart.FlightError as exc:
+        raise flight_chart.FlightError(f"rank{rank}/{FLIGHT} is malformed: {exc}") from exc
 
 
 def summary(incident: Incident) -> str:
@@ -151,12 +151,12 @@ def flight_lines(incident: Incident) -> list[str]:
     rank = first if first in ranks else ranks[0]
     try:
         recorded = read_flight(incident, rank)
-    except flight.FlightError as exc:
+    except flight_chart.FlightError as exc:
         return [f"{'flight':<{_LABEL}}not drawn: {exc}"]
     others = f"; ranks with one: {', '.join(map(str, ranks))}" if len(ranks) > 1 else ""
     whose = " (the first event's)" if rank == first else ""
     head = f"{'flight':<{_LABEL}}rank {rank}{whose}: {len(recorded.rows)} step(s) recorded{others}"
-    return [head] + flight.lines(recorded, incident.step, indent=2)
+    return [head] + flight_chart.lines(recorded, incident.step, indent=2)
 
 
 def _plot(incident: Incident, path: str) -> str | None:
@@ -167,8 +167,8 @@ def _plot(incident: Incident, path: str) -> str | None:
     rank = incident.first_event.rank if incident.first_event.rank in ranks else ranks[0]
     try:
         recorded = read_flight(incident, rank)
-        flight.plot(recorded, incident.step, f"{incident.name}: rank {rank}", path)
-    except flight.FlightError as exc:
+        flight_chart.plot(recorded, incident.step, f"{incident.name}: rank {rank}", path)
+    except flight_chart.FlightError as exc:
         return f"not plotted: {exc}"
     except ImportError:
         return "--plot needs matplotlib: pip install 'nanguard[plot]'"
