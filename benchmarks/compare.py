@@ -9,7 +9,8 @@ the same model, timed in the same rounds as the plain loop, in rotating order:
     python benchmarks/compare.py --repo full=.,mode=full --repo sentinel=.,mode=sentinel   # init settings
 
 Prints, per checkout, the median over rounds of (its step time / plain's) and the quartiles.
-``--floor`` adds overhead.py's ``probe-floor`` variant: hooks that only probe, the floor of the design.
+``--floor`` adds overhead.py's two floors: ``probe-floor`` (hooks that only probe every module, the full
+mode's floor) and ``sentinel-floor`` (the root's hooks, the gradients' norms and one read: the sentinel's).
 """
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ def main() -> None:
                         help="a checkout to compare, with init settings of its own (repeat)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--floor", action="store_true",
-                        help="time overhead.py's probe-floor variant too (hooks that only probe)")
+                        help="time overhead.py's two floors too: probe-floor (hooks that only probe every"
+                             " module) and sentinel-floor (the root's hooks, the norms and one read)")
+    parser.add_argument("--variant", action="append", default=[], choices=sorted(set(overhead.VARIANTS) - {"plain"}),
+                        metavar="NAME", help="time one of overhead.py's variants too (repeat): "
+                        + ", ".join(sorted(set(overhead.VARIANTS) - {"plain"})))
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = overhead.MODELS[args.model]
@@ -76,6 +81,9 @@ def main() -> None:
             variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)), settings)
         if args.floor:
             variants["probe-floor"] = overhead.VARIANTS["probe-floor"]
+            variants["sentinel-floor"] = overhead.VARIANTS["sentinel-floor"]
+        for name in args.variant:
+            variants[name] = overhead.VARIANTS[name]
         runners = {k: overhead.Runner(spec, v, torch.device("cpu")) for k, v in variants.items()}
         for runner in runners.values():
             runner.timed_steps(spec.warmup)
@@ -92,7 +100,7 @@ def main() -> None:
     for name, values in ratios.items():
         values.sort()
         quarter = len(values) // 4
-        print(f"  {name:12s} median {statistics.median(values):.3f}  quartiles {values[quarter]:.3f}-"
+        print(f"  {name:29s} median {statistics.median(values):.3f}  quartiles {values[quarter]:.3f}-"
               f"{values[-quarter - 1]:.3f}")
 
 

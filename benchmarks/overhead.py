@@ -143,8 +143,9 @@ class ModelSpec:
     extra: str | None = None  # the optional extra its packages come with
 
 
-WITH_FLOOR = ("plain", "nanguard", "nanguard full", "probe-floor")
-"""what a workload beyond the default three runs: nanguard beside the floor of per-module probing"""
+WITH_FLOOR = ("plain", "nanguard", "nanguard full", "probe-floor", "sentinel-floor")
+"""what a workload beyond the default three runs: nanguard beside the floors of its two modes (per-module
+probing for the full mode; the root's hooks, the gradients' norms and one read for the sentinel)"""
 
 # --------------------------------------------------------------- real-model workloads
 # Built as the real-model tests build them (tests/realworld/zoo.py), from configs: no downloads.
@@ -294,6 +295,74 @@ def attach_probe_floor(model: nn.Module, opt: torch.optim.Optimizer, **workload)
     return lambda: [h.remove() for h in handles]
 
 
+def sentinel_floor(norms: bool = True) -> Callable[..., Detach]:
+    """The floor of the sentinel's design: what a clean sentinel step cannot do without, and nothing
+    else. The root's forward pre-hook (with keyword arguments, as a model called by keyword needs)
+    clones torch's CPU random state (what a re-run restores); its forward hook (always called) writes
+    the extremes of each floating output into places made in advance and puts a pre-hook on the first
+    one's autograd node, which queues a callback for the end of the backward pass: there the
+    gradients' norms, from one fused pass (what the spike warning and the flight recorder read); the
+    optimizer's step pre-hook writes the norms after the extremes and reads them once. No batch
+    references, versions, buffers, accumulation bookkeeping, decision nor flight recorder: what is
+    left of the sentinel's cost when its bookkeeping is taken away. ``norms=False``: without the norms
+    (a floor without the spike warning and the flight recorder's gradient norms)."""
+    def attach(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
+        return _attach_sentinel_floor(model, opt, norms)
+    return attach
+
+
+def _attach_sentinel_floor(model: nn.Module, opt: torch.optim.Optimizer, norms_too: bool) -> Detach:
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.inference_mode(False), torch.no_grad():
+        buffer = torch.empty(64 + len(params))
+    views = buffer.unbind()
+    state = {"used": 0, "norms": [], "queued": False, "rng": None}
+    engine = torch.autograd.Variable._execution_engine
+
+    def ended() -> None:
+        state["queued"] = False
+        grads = [p.grad for p in params if p.grad is not None] if norms_too else []
+        with torch.no_grad():
+            state["norms"] = torch._foreach_norm(grads) if grads else []
+
+    def started(grad) -> None:
+        if not state["queued"]:
+            engine.queue_callback(ended)
+            state["queued"] = True
+
+    def pre(module, args, kwargs) -> None:
+        if not torch.compiler.is_compiling():
+            state["rng"] = torch.default_generator.clone_state()
+
+    def post(module, args, kwargs, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        outputs = [output] if isinstance(output, torch.Tensor) else [
+            t for t in (output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list))
+                        else ()) if isinstance(t, torch.Tensor)]
+        with torch.no_grad():
+            for tensor in outputs:
+                if tensor.is_floating_point() and tensor.numel() and state["used"] + 2 <= 64:
+                    used = state["used"]
+                    torch.aminmax(tensor, out=(views[used], views[used + 1]))
+                    state["used"] = used + 2
+        node = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+        if node is not None:
+            node.register_prehook(started)
+
+    def read(optimizer, args, kwargs) -> None:
+        used, norms = state["used"], state["norms"]
+        if norms:
+            torch.stack(norms, out=buffer[used:used + len(norms)])
+        buffer[:used + len(norms)].tolist()  # the one device-to-host read of the step
+        state["used"], state["norms"] = 0, []
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True, always_call=True),
+               opt.register_step_pre_hook(read)]
+    return lambda: [h.remove() for h in handles]
+
+
 def attach_naive_hooks(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
     """Forward hooks as tutorials write them: one blocking check per module output."""
     def check(module: nn.Module, inputs, output) -> None:
@@ -331,10 +400,14 @@ VARIANTS = {
         Variant("detect_anomaly", step_context=anomaly_mode),
         Variant("naive-hooks", attach_naive_hooks),
         Variant("probe-floor", attach_probe_floor),
+        Variant("sentinel-floor", sentinel_floor()),
+        Variant("sentinel-floor without norms", sentinel_floor(norms=False)),
     )
 }
 TARGET_VARIANT = "nanguard"
 FLOOR_VARIANT = "probe-floor"
+FLOORS = {"nanguard": "sentinel-floor"}
+"""the floor each variant is measured over, where not ``FLOOR_VARIANT``: the sentinel's own design"""
 
 
 # --------------------------------------------------------------------------- timing
@@ -397,7 +470,7 @@ class Result:
     ratio: float = float("nan")
     paired_ratio: float = float("nan")
     paired_ratios: list[float] = field(default_factory=list)
-    over_floor: float = float("nan")  # median over rounds of (variant / probe-floor), where the floor ran
+    over_floor: float = float("nan")  # median over rounds of (variant / its floor: FLOORS), where the floor ran
 
 
 def benchmark_model(spec: ModelSpec, variants: list[Variant], device: torch.device,
@@ -429,9 +502,10 @@ def benchmark_model(spec: ModelSpec, variants: list[Variant], device: torch.devi
         res.ratio = res.ms_per_step / statistics.median(plain.samples_ms)
         res.paired_ratios = [v / p for v, p in zip(res.round_ms, plain.round_ms)]
         res.paired_ratio = statistics.median(res.paired_ratios)
-    floor = next((res for res in results if res.variant == FLOOR_VARIANT), None)
+    by_name = {res.variant: res for res in results}
     for res in results:
-        if floor is not None and res.variant not in ("plain", FLOOR_VARIANT):
+        floor = by_name.get(FLOORS.get(res.variant, FLOOR_VARIANT))
+        if floor is not None and res.variant != "plain" and not res.variant.endswith("-floor"):
             res.over_floor = statistics.median(v / f for v, f in zip(res.round_ms, floor.round_ms))
     return results
 

@@ -15,8 +15,10 @@ def test_compare_times_each_checkout_against_plain_in_the_same_rounds():
                              "--rounds", "2", "--repo", f"one={ROOT}", "--repo", f"two={ROOT},mode=sentinel", "--floor"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    ratios = dict(re.findall(r"^\s+(one|two|probe-floor)\s+median (\d+\.\d+)", result.stdout, re.MULTILINE))
-    assert set(ratios) == {"one", "two", "probe-floor"} and all(0.5 < float(r) < 5 for r in ratios.values())
+    ratios = dict(re.findall(r"^\s+(one|two|probe-floor|sentinel-floor)\s+median (\d+\.\d+)", result.stdout,
+                             re.MULTILINE))
+    assert set(ratios) == {"one", "two", "probe-floor", "sentinel-floor"}
+    assert all(0.5 < float(r) < 5 for r in ratios.values()), ratios
 
 
 def test_compare_refuses_a_path_without_a_package():
