@@ -11,7 +11,6 @@
     reading.py    Reading and Finding: what decision, diagnose and respond hand each other
     respond.py    the on_nan policy (report, capture, skip, raise), requested stops, norm warnings
     gradnorm.py   the gradient-norm monitor (threshold and spike warnings)
-    patches.py    optimizer.step(closure) and GradScaler.update(), each with its undo
     reporter.py   the coordinator link, or a reporter that does nothing
     modules.py    module names as reports show them (wrappers left out)
     forensics.py  the exact, slow look at one tensor, once something is bad

@@ -46,7 +46,7 @@ from .backward import BackwardWatch, keep_summed
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import ddp_inner, plain_names
-from .patches import handed_to, watch_handed_weights
+from .._torch.patches import handed_to, watch_handed_weights
 from .records import BATCH, CHECK, IN, OUT, Catalog, Context, Probe, StepLog, gradless, version_of
 from .hooks import MAX_PARTS, call_tensors, hook_added, hook_modules, hook_parts, hook_root, on_registration
 

@@ -32,7 +32,7 @@ from .records import StepLog
 from .modules import ddp_inner, unwrap_optimizer
 from .observer import StepObserver
 from .optimizers import OptimizerWatch
-from .patches import patch_scaler_update
+from .._torch.patches import patch_scaler_update
 from .reporter import Reporter, connect
 from .respond import Responder, models_to_save, step_inputs
 from .rewind import Rewind, closure_step

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .modules import params
-from .patches import wrap_closure
+from .._torch.patches import wrap_closure
 
 log = logging.getLogger("nanguard")
 

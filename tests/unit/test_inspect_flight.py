@@ -121,6 +121,7 @@ def test_long_records_are_bucketed_and_the_mark_follows():
     assert flight.sparkline([None, 1.0, 1.0]) == ("·▁▁", False)
 
 
+@pytest.mark.processes  # matplotlib runs fc-list on a machine with no font cache yet
 def test_plot_draws_a_png_with_the_incident_step(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path, _ = make_incident(tmp_path)

@@ -1,4 +1,4 @@
-"""torch's private symbols are nanguard's only in nanguard/_torch.py: each one taken away costs a
+"""torch's private symbols are nanguard's only in nanguard/_torch/: each one taken away costs a
 warning that names it, never ``import nanguard``, ``init`` or the stop before a bad update.
 
 A rename in a later torch is simulated in a fresh interpreter: the symbol is taken from torch while
@@ -78,7 +78,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_every_private_lookup_is_listed():
-    source = (REPO / "nanguard" / "_torch.py").read_text()
+    source = (REPO / "nanguard" / "_torch" / "__init__.py").read_text()
     looked_up = set(re.findall(r'_private\(\s*"(torch\.[\w.]+)"', source))
     assert looked_up == set(_torch.PRIVATE)
     assert _torch.MISSING == []  # (this torch has them all)

@@ -1,4 +1,5 @@
-"""The three places where the guard wraps someone else's callable, each with its undo.
+"""The three places where the guard wraps one of torch's callables, each with its undo (beside
+torch's private symbols, ``nanguard._torch``: what a new torch can break is in this package).
 
 - ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs the forward and
   backward inside the step, after the step pre-hook: the decision must wait for the closure.
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn.utils import stateless
 
-from .._torch import reparametrize_module
+from . import reparametrize_module
 
 _listeners: weakref.WeakSet = weakref.WeakSet()
 """what is told of each call given weights (``Detector.handed``)"""
