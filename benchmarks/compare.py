@@ -62,9 +62,9 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="time overhead.py's two floors too: probe-floor (hooks that only probe every"
                              " module) and sentinel-floor (the root's hooks, the norms and one read)")
-    parser.add_argument("--variant", action="append", default=[], choices=sorted(set(overhead.VARIANTS) - {"plain"}),
-                        metavar="NAME", help="time one of overhead.py's variants too (repeat): "
-                        + ", ".join(sorted(set(overhead.VARIANTS) - {"plain"})))
+    others = sorted(set(overhead.VARIANTS) - {"plain"})
+    parser.add_argument("--variant", action="append", default=[], choices=others, metavar="NAME",
+                        help="time one of overhead.py's variants too (repeat): " + ", ".join(others))
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = overhead.MODELS[args.model]
@@ -79,10 +79,7 @@ def main() -> None:
                 parser.error(f"--repo {item!r}: expected NAME=PATH[,SETTING=VALUE...], PATH a checkout with a"
                              " nanguard/ folder")
             variants[name] = variant(name, load(name, Path(path).resolve(), Path(folder)), settings)
-        if args.floor:
-            variants["probe-floor"] = overhead.VARIANTS["probe-floor"]
-            variants["sentinel-floor"] = overhead.VARIANTS["sentinel-floor"]
-        for name in args.variant:
+        for name in (["probe-floor", "sentinel-floor"] if args.floor else []) + args.variant:
             variants[name] = overhead.VARIANTS[name]
         runners = {k: overhead.Runner(spec, v, torch.device("cpu")) for k, v in variants.items()}
         for runner in runners.values():

@@ -258,37 +258,56 @@ def attach_nanguard(**overrides) -> Callable[..., Detach]:
     return attach
 
 
+class Places:
+    """Places made in advance, one buffer per (dtype, device), that a floor writes the extremes of
+    floating tensors into, as nanguard's probes do, and reads once per optimizer step."""
+
+    SIZE = 1 << 14
+
+    def __init__(self):
+        self._places: dict[tuple[torch.dtype, torch.device], list] = {}  # [buffer, its 0-d views, used]
+
+    def extremes(self, tensor: torch.Tensor) -> None:
+        if not tensor.is_floating_point() or not tensor.numel():
+            return
+        key = (tensor.dtype, tensor.device)
+        if key not in self._places:
+            with torch.inference_mode(False), torch.no_grad():
+                buffer = torch.empty(self.SIZE, dtype=tensor.dtype, device=tensor.device)
+            self._places[key] = [buffer, buffer.unbind(), 0]
+        entry = self._places[key]
+        used = entry[2] % self.SIZE
+        entry[2] = used + 2
+        with torch.no_grad():
+            torch.aminmax(tensor, out=(entry[1][used], entry[1][used + 1]))
+
+    def read(self, more: list[torch.Tensor] = ()) -> None:
+        """The one device-to-host read of the step: what was written, and ``more`` (0-d tensors)."""
+        pieces = [entry[0][:min(entry[2], self.SIZE)].float() for entry in self._places.values() if entry[2]]
+        if more:
+            pieces.append(torch.stack(more).float())
+        if pieces:
+            torch.cat(pieces).tolist()
+        for entry in self._places.values():
+            entry[2] = 0
+
+
 def attach_probe_floor(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
     """The floor of per-module probing: a forward hook on every module (plain ``nn.Sequential``
     left out, as nanguard does) that writes its output's minimum and maximum into places made in
     advance, as nanguard's probe does, and one read of them per optimizer step. No identity
     tracking, inputs, gradients, buffers, RNG or decision: what is left of nanguard's cost when
     everything but the probes is taken away."""
-    size = 1 << 14
-    places: dict[tuple[torch.dtype, torch.device], list] = {}  # [buffer, its 0-d views, used]
+    places = Places()
 
     def hook(module: nn.Module, args, output) -> None:
         if torch.compiler.is_compiling():
             return  # its Python state would make Dynamo recompile at every call: not a floor there
-        if type(output) is not torch.Tensor or not output.is_floating_point() or not output.numel():
-            return
-        key = (output.dtype, output.device)
-        if key not in places:
-            with torch.inference_mode(False), torch.no_grad():
-                buffer = torch.empty(size, dtype=output.dtype, device=output.device)
-            places[key] = [buffer, buffer.unbind(), 0]
-        entry = places[key]
-        used = entry[2] % size
-        entry[2] = used + 2
-        with torch.no_grad():
-            torch.aminmax(output, out=(entry[1][used], entry[1][used + 1]))
+        if type(output) is torch.Tensor:
+            places.extremes(output)
 
     def read(optimizer, args, kwargs) -> None:
-        pieces = [entry[0][:min(entry[2], size)].float() for entry in places.values() if entry[2]]
-        if pieces:
-            torch.cat(pieces).tolist()  # the one device-to-host read of the step
-        for entry in places.values():
-            entry[2] = 0
+        places.read()
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if type(m) is not nn.Sequential]
     handles.append(opt.register_step_pre_hook(read))
@@ -313,10 +332,8 @@ def sentinel_floor(norms: bool = True) -> Callable[..., Detach]:
 
 def _attach_sentinel_floor(model: nn.Module, opt: torch.optim.Optimizer, norms_too: bool) -> Detach:
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.inference_mode(False), torch.no_grad():
-        buffer = torch.empty(64 + len(params))
-    views = buffer.unbind()
-    state = {"used": 0, "norms": [], "queued": False, "rng": None}
+    places = Places()
+    state = {"norms": [], "queued": False, "rng": None}
     engine = torch.autograd.Variable._execution_engine
 
     def ended() -> None:
@@ -337,30 +354,29 @@ def _attach_sentinel_floor(model: nn.Module, opt: torch.optim.Optimizer, norms_t
     def post(module, args, kwargs, output) -> None:
         if torch.compiler.is_compiling():
             return
-        outputs = [output] if isinstance(output, torch.Tensor) else [
-            t for t in (output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list))
-                        else ()) if isinstance(t, torch.Tensor)]
-        with torch.no_grad():
-            for tensor in outputs:
-                if tensor.is_floating_point() and tensor.numel() and state["used"] + 2 <= 64:
-                    used = state["used"]
-                    torch.aminmax(tensor, out=(views[used], views[used + 1]))
-                    state["used"] = used + 2
+        outputs = _tensors(output)
+        for tensor in outputs:
+            places.extremes(tensor)
         node = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
         if node is not None:
             node.register_prehook(started)
 
     def read(optimizer, args, kwargs) -> None:
-        used, norms = state["used"], state["norms"]
-        if norms:
-            torch.stack(norms, out=buffer[used:used + len(norms)])
-        buffer[:used + len(norms)].tolist()  # the one device-to-host read of the step
-        state["used"], state["norms"] = 0, []
+        places.read(state["norms"])
+        state["norms"] = []
 
     handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
                model.register_forward_hook(post, with_kwargs=True, always_call=True),
                opt.register_step_pre_hook(read)]
     return lambda: [h.remove() for h in handles]
+
+
+def _tensors(output: object) -> list[torch.Tensor]:
+    """The tensors of a root's output: itself, or those of one level of a tuple, list or dict."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 def attach_naive_hooks(model: nn.Module, opt: torch.optim.Optimizer, **workload) -> Detach:
