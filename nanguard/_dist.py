@@ -49,8 +49,6 @@ from .protocol import job_name
 log = logging.getLogger("nanguard")
 
 _GLOO_WORKER = "pt_gloo_runloop"
-# Modules that keep the default group as a default argument value (evaluated at their import).
-_PINNING_MODULES = ("torch.distributed.nn.functional",)
 _SETTLE_POLL_S = 0.005
 
 
@@ -222,6 +220,8 @@ def destroy_process_group(timeout_s: float = 5.0) -> bool:
     """
     import torch.distributed as dist
 
+    from ._torch.patches import release_destroyed_groups
+
     if not dist.is_available():
         return True
     gc.collect()
@@ -229,7 +229,7 @@ def destroy_process_group(timeout_s: float = 5.0) -> bool:
     if dist.is_initialized():
         groups.append(weakref.ref(dist.group.WORLD))
         dist.destroy_process_group()
-    groups += [weakref.ref(group) for group in _release_destroyed_groups()]
+    groups += [weakref.ref(group) for group in release_destroyed_groups()]
     gc.collect()
     if not _tasks(_GLOO_WORKER):
         return True
@@ -262,25 +262,6 @@ def settle_gloo_workers(timeout_s: float = 2.0) -> bool:
             return False
         last = now
         time.sleep(_SETTLE_POLL_S)  # the GIL is free meanwhile: a worker waiting for it gets it
-
-
-def _release_destroyed_groups() -> list:
-    """Once no group is initialized, replace the process groups in the default arguments of
-    ``_PINNING_MODULES``' functions by None (their "use the default group"); return them."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return []
-    found = {}
-    for name in _PINNING_MODULES:
-        module = sys.modules.get(name)
-        for function in list(vars(module).values()) if module is not None else ():
-            defaults = getattr(function, "__defaults__", None)
-            if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
-                found.update((id(v), v) for v in defaults if isinstance(v, dist.ProcessGroup))
-                function.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v
-                                              for v in defaults)
-    return list(found.values())
 
 
 def _holders(obj: object) -> list[str]:

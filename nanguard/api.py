@@ -17,7 +17,6 @@ from ._dist import Collectives
 from .config import Settings
 from .errors import ConfigError
 from .rank.guard import Guard, forget_gone, init_arguments, start
-from .replay import Replay, watch_exit
 
 __all__ = ["Guard", "init"]
 
@@ -41,11 +40,20 @@ def init(model: nn.Module | None = None,
         if settings.disable:
             raise ConfigError("NANGUARD_REPLAY and NANGUARD_DISABLE are both set: a replay needs the"
                               " guard; unset one of them")
+        try:  # (a replay only: its op checks subclass torch's private dispatch mode)
+            from .replay import Replay
+        except ImportError as exc:
+            raise ConfigError(f"NANGUARD_REPLAY is set, but this torch ({torch.__version__}) lacks what a replay's op"
+                              f" checks need ({exc}): nothing was replayed; replay with the torch the incident"
+                              " was made with (its rank folders' environment.json)") from exc
+
         # checks the whole incident before touching anything
         collectives = Collectives()
         replay = Replay.open(settings, collectives.rank, collectives.world_size)
         settings = replay.forensic(settings)
     guard = start(model, optimizers, settings, on_stop, states, replay)
     if replay is not None:
+        from .replay import watch_exit
+
         watch_exit(replay)
     return guard

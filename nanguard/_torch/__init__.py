@@ -8,12 +8,14 @@ once on the ``nanguard`` logger (what is missing, which torch, what is lost). ``
 the ones that were gone. ``tests/unit/test_torch_internals.py`` takes each one away in turn and
 runs a guarded step without it.
 
-(The replay's op checks, ``replay/ops.py``, subclass torch's dispatch mode: a replay needs them and
-says so when they fail; the guard never imports them.)
+(The replay's op checks, ``replay/ops.py``, subclass torch's dispatch mode: only a replay imports
+them, and ``init`` refuses a replay with a clear error where they fail to import; a guard never
+imports them. What nanguard changes in torch's behaviour is in ``patches.py``.)
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,10 @@ PRIVATE = ("torch._C._set_grad_enabled", "torch._C._is_any_autocast_enabled",
            "torch.nn.utils.stateless._reparametrize_module")
 """every private symbol of torch looked up here (the first seven as this module is imported, the last
 two as a guard starts)"""
+PRIVATE_WHEN_MET = ("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter",
+                    "torch.amp.GradScaler._scale")
+"""the private symbols looked up only once a guard meets what has them: an FSDP2 (``fully_shard``)
+model, a GradScaler"""
 MISSING: list[str] = []
 """the private symbols this torch does not have (their fallbacks are in use)"""
 
@@ -40,10 +46,16 @@ def _find(path: str) -> Any:
     return found
 
 
-def _private(path: str, fallback: Any, lost: str) -> Any:
+def _find_in_module(path: str) -> Any:
+    """``path``'s last name in its module, which is imported (``torch.distributed.…``)."""
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _private(path: str, fallback: Any, lost: str, find: Callable[[str], Any] = _find) -> Any:
     """``path`` (``torch.…``) as this torch has it, else ``fallback``, said once with what is ``lost``."""
     try:
-        return _find(path)
+        return find(path)
     except (AttributeError, ImportError):
         MISSING.append(path)
         log.warning("nanguard: torch %s has no %s: %s (nanguard goes on without it; please report it)",
@@ -113,3 +125,37 @@ def reparametrize_module() -> Any:
     return found if found is not None else _private(
         "torch.nn.utils.stateless._reparametrize_module", None,
         "a module run by torch.func.functional_call with weights it is handed is not told apart")
+
+
+def fsdp_default_reduce_scatter() -> Any:
+    """FSDP2's default reduce-scatter (the class of what ``set_custom_reduce_scatter`` replaces), or None
+    where this torch has none (FSDP2's gradients are then not watched before they are summed); looked
+    up, and a loss said, once."""
+    global _fsdp_default
+    if _fsdp_default is _UNSEEN:
+        _fsdp_default = _private(
+            "torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter", None,
+            "FSDP2's gradients are not watched before they are summed (a NaN born in a backward pass is not "
+            "traced to its rank)", find=_find_in_module)
+    return _fsdp_default
+
+
+_UNSEEN = object()
+_fsdp_default: Any = _UNSEEN
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """A GradScaler's scale as the device tensor it keeps (``GradScaler._scale``: ``get_scale()``
+    reads it to the host), or None (no scaler, a scale not made yet, or a scaler that keeps none
+    there: said once, and the flight recorder's scale column is then empty)."""
+    if scaler is None:
+        return None
+    if not hasattr(scaler, "_scale"):
+        if not getattr(scaler, "is_enabled", lambda: True)():
+            return None  # (a disabled scaler keeps no scale)
+        if "torch.amp.GradScaler._scale" not in MISSING:
+            _private("torch.amp.GradScaler._scale", None, "the flight recorder does not record the GradScaler's scale",
+                     find=lambda path: scaler._scale)
+        return None
+    scale = scaler._scale
+    return scale if isinstance(scale, torch.Tensor) else None

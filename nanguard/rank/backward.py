@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._torch import foreach_norm, queue_callback
+from .._torch.patches import before_first_comm_hook, route_comm_hooks, watch_reduce_scatters
 from .._tree import floating_tensors
 from . import forensics
 from .records import StepLog, gradless, version_of
@@ -38,6 +39,8 @@ class BackwardWatch:
         self._by_id: dict[int, weakref.ref] = {}
         self._ddps: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         """the DDP wrappers whose buckets ``watch_ddp`` took on (once each)"""
+        self._undo: list[Callable[[], None]] = []
+        """what ``close`` runs: the undos of what watching changed in torch"""
         self._params: list[weakref.ref] = []
         """every parameter of the attached roots, frozen ones too (weakly: a guard keeps no model
         alive): one unfrozen later (gradual unfreezing) has its gradients read from then on"""
@@ -80,33 +83,20 @@ class BackwardWatch:
         DDP takes one communication hook: ours does the default all-reduce, and a hook the
         user registers later is called by ours instead (it replaces the default).
         """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-            allreduce_hook,
-        )
-
         if ddp in self._ddps:
             return
         self._ddps.add(ddp)
-        ddp.__dict__.pop("register_comm_hook", None)  # (``watch_new_ddp``'s)
-        route = {"state": getattr(ddp, "process_group", None), "hook": allreduce_hook}
         buckets = self.log.buckets
 
-        def bucket_hook(state, bucket):
-            if self.attached() and bucket.buffer().numel():
-                buckets.extend(probe(bucket.buffer()))
+        def on_bucket(buffer: torch.Tensor) -> None:
+            if self.attached() and buffer.numel():
+                buckets.extend(probe(buffer))
                 # queued after DDP's own end-of-backward work: the gradients are all-reduced by then
                 self._queue_end()
-            return route["hook"](route["state"], bucket)
 
-        def register_comm_hook(state, hook):
-            route["state"], route["hook"] = state, hook
-
-        try:
-            type(ddp).register_comm_hook(ddp, None, bucket_hook)
-        except RuntimeError:
-            return  # the user registered a hook first: no per-rank origin for backward NaNs
-        ddp.register_comm_hook = register_comm_hook
-        self.watches_buckets = True
+        if route_comm_hooks(ddp, on_bucket):
+            self.watches_buckets = True
+        # (else the user registered a hook first: no per-rank origin for backward NaNs)
 
     def watch_new_ddp(self, ddp: nn.Module) -> None:
         """``ddp`` is being built around a guarded model, and is watched at its first forward (its
@@ -116,48 +106,32 @@ class BackwardWatch:
         if ddp in self._ddps:
             return
         ref = weakref.ref(ddp)
-
-        def register_comm_hook(state, hook):
-            wrapper = ref()
-            self.watch_ddp(wrapper)  # (replaces this function with the route to the user's hook)
-            wrapper.register_comm_hook(state, hook)
-
-        ddp.register_comm_hook = register_comm_hook
+        self._undo.append(before_first_comm_hook(ddp, lambda: self.watch_ddp(ref())))
 
     def watch_fsdp(self, modules: dict[nn.Module, str]) -> None:
         """Probe each FSDP2 reduce-scatter's input (this rank's own gradients of one
         ``fully_shard``-ed module, before they are summed across ranks), as DDP's buckets are,
         with the module's name: ``modules`` are every such module of a model whose root is one,
-        by name. Through ``set_custom_reduce_scatter``, with the default reduce-scatter; a model
-        where any of them has another (its own, or several parameter groups) is not watched at
-        all, and its reports say so."""
-        try:
-            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-        except ImportError:
-            return
-        log, watch = self.log, self
+        by name. With the default reduce-scatter only; a model where any of them has another (its
+        own, or several parameter groups) is not watched at all, and its reports say so."""
+        log = self.log
 
-        class Watched(DefaultReduceScatter):
-            def __init__(self, name: str):
-                self.name = name
+        def on_input(name: str, tensor: torch.Tensor) -> None:
+            if self.attached() and tensor.numel():
+                log.buckets.extend(probe(tensor))
+                log.bucket_groups.append(name)
+                self._queue_end()
 
-            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                if watch.attached() and input_tensor.numel():
-                    log.buckets.extend(probe(input_tensor))
-                    log.bucket_groups.append(self.name)
-                    watch._queue_end()
-                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        undo = watch_reduce_scatters(modules, on_input)
+        if undo is not None:
+            self._undo.append(undo)
+            self.watches_buckets = True
 
-        try:
-            if not all(len(groups := m._get_fsdp_state()._fsdp_param_groups) <= 1 and all(
-                    type(g._reduce_scatter_comm) is DefaultReduceScatter for g in groups) for m in modules):
-                return
-            for module, name in modules.items():
-                if module._get_fsdp_state()._fsdp_param_groups:
-                    module.set_custom_reduce_scatter(Watched(name))
-        except (AttributeError, ValueError, RuntimeError):
-            return  # another torch's FSDP2: its gradients are not watched
-        self.watches_buckets = True
+    def close(self) -> None:
+        """Undo what watching changed in torch (``_torch.patches``), but DDP's hook: see ``route_comm_hooks``."""
+        undo, self._undo = self._undo, []
+        for step in reversed(undo):
+            step()
 
     @property
     def ddp(self) -> bool:

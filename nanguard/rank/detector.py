@@ -145,6 +145,7 @@ class Detector:
         for handle in self._handles + self.registrations:
             handle.remove()
         self._handles.clear()
+        self.backward.close()
         self.probes.forget()
         self.registrations.clear()
         self._modules = weakref.WeakKeyDictionary()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._dist import Collectives, RankInfo
+from .._torch import scaler_scale
 from .._throttle import Throttle
 from ..config import Settings
 from ..errors import NonFiniteError, StopRequested
@@ -179,8 +180,8 @@ class Responder:
 
     def extras(self) -> list[torch.Tensor]:
         """Device values read with the step for the flight recorder: the GradScaler's scale."""
-        scale = getattr(self.states.get("scaler"), "_scale", None)
-        return [scale.reshape(())] if self.flight is not None and isinstance(scale, torch.Tensor) else []
+        scale = scaler_scale(self.states.get("scaler")) if self.flight is not None else None
+        return [scale.reshape(())] if scale is not None else []
 
     def step_ended(self, step: int, *, loss: float | None, extras: list[float], norms: list[float],
                    owners: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
