@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
@@ -17,6 +18,9 @@ from .._torch.patches import before_first_comm_hook, route_comm_hooks, watch_red
 from .._tree import floating_tensors
 from . import forensics
 from .records import StepLog, gradless, version_of
+
+RECENT_STEPS = 16
+"""the steps whose count of backward passes says how many the next will have at least"""
 
 
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +49,11 @@ class BackwardWatch:
         """every parameter of the attached roots, frozen ones too (weakly: a guard keeps no model
         alive): one unfrozen later (gradual unfreezing) has its gradients read from then on"""
         self._queued = False
+        self.passes = 0
+        """backward passes that ended in this step so far"""
+        self.expected = 1
+        """the fewest backward passes (micro-batches) a recent step had: a pass before that many is not measured"""
+        self._recent: deque[int] = deque(maxlen=RECENT_STEPS)
         self.armed = False
         """a forward output's node will say when the step's next backward pass starts"""
         self.keep_grad_bytes = 0
@@ -198,12 +207,37 @@ class BackwardWatch:
         log = self.log
         if log.buckets and (not log.bucket_passes or log.bucket_passes[-1] < len(log.buckets)):
             log.bucket_passes.append(len(log.buckets))
-        owners, norms = gradient_norms(self.params())
+        self.passes += 1
+        if self.passes < self.expected:
+            # another pass will follow before the step's decision, as in every recent step (accumulation):
+            # it measures what this one left summed with its own (a non-finite value stays non-finite),
+            # so this one's norms are put off; should none follow, ``settle`` measures them then
+            owners, norms = [p for p in self.params() if p.grad is not None], None
+        else:
+            owners, norms = gradient_norms(self.params())
         # a pass that left no gradient is none (torch.autograd.grad's: the script assigns what it
         # returned to .grad itself, as functional training does; they are read as the step takes them)
         self.log.produced = (owners, norms) if owners else None
         grads = [p.grad for p in owners]
         self.log.left = (owners, grads, _versions(grads))
+
+    def settle(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Before the step's decision: the last pass's norms where they were put off (the step had
+        fewer micro-batches than any recent one), measured now if its gradients are as it left them;
+        else they are not known (``StepLog.unmeasured``: the decision measures them as they are, and
+        a report says where they were made non-finite is not known). Returns ``StepLog.produced``."""
+        log = self.log
+        if log.produced is not None and log.produced[1] is None:
+            owners = log.produced[0]
+            log.unmeasured = not as_left(owners, log.left)
+            log.produced = None if log.unmeasured else (owners, gradient_norms(owners)[1])
+        return log.produced
+
+    def step_decided(self) -> None:
+        """The step is decided: its backward passes count among the recent steps' (a step with none does not)."""
+        if self.passes:
+            self._recent.append(self.passes)
+            self.expected, self.passes = min(self._recent), 0
 
 
 def keep_summed(watch: BackwardWatch) -> None:

@@ -317,6 +317,7 @@ class Detector:
             if not self.steps_elsewhere:
                 self._forwards.clear()
             self.backward.armed = False  # (an output whose backward never ran: the next step's arms again)
+            self.backward.step_decided()
         self.log.clear()
         self._seen.clear()
         self._kept_bytes = self._judged = 0
@@ -356,7 +357,9 @@ class Probes:
 
 def optimizer_steps(detector: Detector, optimizer: object) -> None:
     """An optimizer (None: no optimizer) steps: where no root forward ran in its step, the script calls
-    the model's parts itself (the model a wrapper held): their calls are held for the microscope from now on."""
+    the model's parts itself (the model a wrapper held): their calls are held for the microscope from now on.
+    The last backward pass's norms, where they were put off, are measured now (``BackwardWatch.settle``)."""
+    detector.backward.settle()
     if optimizer is not None and detector.verdict and not detector.parts and not detector.log.spans:
         alive = {slot.name: slot.module() for slot in detector.catalog.slots}
         # the roots' children, and a model whose wrapper was let go

@@ -39,6 +39,10 @@ _LOSS_ACROSS_RANKS = ("with several ranks, that loss may hold another rank's val
                       " every rank's outputs, in a contrastive loss), which its backward sends back here")
 
 
+_UNMEASURED = ("how the step's last backward pass left them was not measured (the step had fewer micro-batches than"
+               " the steps before it, and the training loop changed the gradients in place before the optimizer step:"
+               " clipping, unscaling), so whether that pass or the loop made them non-finite, and where, is not known")
+
 def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
               owners: list[torch.Tensor] = (), grads: list[torch.Tensor] = (),
               written: list[tuple[str, torch.Tensor]] = (), later: list[torch.Tensor] = ()) -> Finding | None:
@@ -62,6 +66,10 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     if fields is not None:
         return Finding(make(fields))
     fields = gradient_fields(catalog, log, owners, grads, reading.norms, extremes)
+    if fields is not None and log.unmeasured:
+        return Finding(make(fields | {"kind": "grad", "layer": "unknown", "module_type": "", "message": (
+            f"{len(fields['extra']['bad_params'])} parameter gradient(s) are non-finite as the optimizer is to apply"
+            f" them; {_UNMEASURED}")}))
     group = _first_bad_group(log, reading.buckets)
     if group is not None:  # FSDP2: where this rank's own gradients were bad, whatever its shards hold
         fields = _group_fields(catalog, log, group, fields, owners, reading.norms)

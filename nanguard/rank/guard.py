@@ -290,7 +290,7 @@ class Guard:
             scale = float(self._respond.states["scaler"].get_scale())
             if scale < 1.0:  # gradients non-finite even scaled down: no overflow of the scale's making
                 self._run_told = True
-                self._respond.scaler_streak(self._skipped_in_a_row, scale, self._detector.log.produced,
+                self._respond.scaler_streak(self._skipped_in_a_row, scale, self._detector.backward.settle(),
                                             self._decider.event)
         counted = self._clock.skipped()
         try:

@@ -37,7 +37,7 @@ from .records import CHECK, OUT, Context, version_of
 
 _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts", "parts")
 """what the original pass left in the step's log that the re-run does not make again"""
-_CARRIED = ("produced", "left", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
+_CARRIED = ("produced", "left", "unmeasured", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
 
 
 _BACKWARD_CLEAN = ("its backward pass, re-run from the gradient that reached the model's outputs, made every gradient"

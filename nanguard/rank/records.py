@@ -281,8 +281,12 @@ class StepLog:
     """(index in ``floating_tensors(output)``, the gradient that reached it) of each root forward's
     output whose backward pass ran, by ``spans`` index, where it fits in the detail budget: the
     microscope re-runs the backward from there (sentinel mode)"""
-    produced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-    """(parameters, the norms of their gradients) as the last backward pass left them"""
+    produced: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+    """(parameters, the norms of their gradients) as the last backward pass left them; the norms are None
+    while put off (``BackwardWatch.settle`` measures them before the decision)"""
+    unmeasured: bool = False
+    """the last pass's norms were put off, and the loop changed its gradients before the decision: how that
+    pass left them is not known (``BackwardWatch.settle``)"""
     left: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
     """(the parameters, each one's gradient, its in-place version) then: the optimizer applies what the norms
     measured only while each is the same tensor, unchanged (not summed across ranks, clipped,
@@ -314,7 +318,7 @@ class StepLog:
         self.evidence_slots.clear()
         self.produced = self.left = self.loss_at = None
         self.calls = self.parts_over = 0
-        self.started = self.trained = False
+        self.started = self.trained = self.unmeasured = False
         self.buffers_at_start, self.buffer_versions = {}, {}
 
     def forget_probes(self) -> None:
