@@ -138,19 +138,16 @@ def before_first_comm_hook(ddp: nn.Module, first: Callable[[], None]) -> Callabl
     registered; returns the undo. ``first`` is expected to route it (``route_comm_hooks``)."""
     ref = weakref.ref(ddp)
 
-    def register_comm_hook(state: Any, hook: Callable) -> None:
-        wrapper = ref()
-        if wrapper.__dict__.get("register_comm_hook") is register_comm_hook:
-            del wrapper.__dict__["register_comm_hook"]
-        first()
-        wrapper.register_comm_hook(state, hook)
-
-    ddp.register_comm_hook = register_comm_hook
-
     def undo() -> None:
         if (wrapper := ref()) is not None and wrapper.__dict__.get("register_comm_hook") is register_comm_hook:
             del wrapper.__dict__["register_comm_hook"]
 
+    def register_comm_hook(state: Any, hook: Callable) -> None:
+        undo()
+        first()
+        ref().register_comm_hook(state, hook)
+
+    ddp.register_comm_hook = register_comm_hook
     return undo
 
 
