@@ -48,6 +48,7 @@ from nanguard.coordinator.control import request  # noqa: E402
 from nanguard.errors import CoordinatorUnreachable  # noqa: E402
 from nanguard.events import Event  # noqa: E402
 from nanguard.protocol import STOP_KINDS  # noqa: E402
+from nanguard.relay import RELAYED  # noqa: E402
 from nanguard.wire import MAX_BYTES, Codec  # noqa: E402
 
 TARGETS = {"ingest_events_per_s": 50_000, "fanout_p99_ms": 50.0, "peak_rss_mb": 200.0}
@@ -85,79 +86,122 @@ def _raise_descriptor_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _worker(ranks: list[int], address: str, token: str | None, conn) -> None:
+class _Ports:
+    """The simulated ranks' sockets: one each (``per_node`` 1), or one per simulated node whose
+    ``per_node`` ranks speak through it with the envelope a node's relay adds (``nanguard/relay.py``):
+    the coordinator sees one connection per node, as in a job where local rank 0 relays."""
+
+    def __init__(self, context: zmq.Context, count: int, address: str, per_node: int):
+        self.sockets, self.of, self.before = [], [], []
+        self.rank_at: dict[tuple[int, bytes], int] = {}
+        for i in range(count):
+            if i % per_node == 0:
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 2 * per_node)
+                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # a coordinator that stops reading ends the run
+                sock.connect(address)
+                self.sockets.append(sock)
+            local = b"\0" + (i % per_node).to_bytes(4, "big")
+            self.of.append(len(self.sockets) - 1)
+            self.before.append([RELAYED, local] if per_node > 1 else [])
+            self.rank_at[(len(self.sockets) - 1, local if per_node > 1 else b"")] = i
+
+    def send(self, i: int, frames: list[bytes], flags: int = 0) -> None:
+        self.sockets[self.of[i]].send_multipart(self.before[i] + frames, flags)
+
+    def writable(self, i: int) -> bool:
+        return bool(self.sockets[self.of[i]].getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+
+    def receive(self, s: int) -> list[tuple[int, list[bytes]]]:
+        """What waits on socket ``s``, by simulated rank (also re-arms its ZMQ_FD)."""
+        sock, got = self.sockets[s], []
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            local, frames = (frames[1], frames[2:]) if frames[0] == RELAYED else (b"", frames)
+            got.append((self.rank_at[(s, local)], frames))
+        return got
+
+    def drain(self) -> None:
+        """Read and discard anything waiting (stop commands re-sent before our ack arrived)."""
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        while ready := poller.poll(50):
+            for sock, _ in ready:
+                sock.recv_multipart()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+
+
+def _worker(ranks: list[int], address: str, token: str | None, per_node: int, conn) -> None:
     _raise_descriptor_limit()
     context = zmq.Context()
     context.set(zmq.MAX_SOCKETS, len(ranks) + 64)
-    sockets, codecs = [], []
-    for rank in ranks:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 2)
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # a coordinator that stops reading ends the run
-        sock.connect(address)
-        sockets.append(sock)
-        codecs.append(Codec(f"sim{rank}@bench:{os.getpid()}:{time.time_ns()}", token))
+    ports = _Ports(context, len(ranks), address, per_node)
+    codecs = [Codec(f"sim{rank}@bench:{os.getpid()}:{time.time_ns()}", token) for rank in ranks]
     events_json, per_message = _events_json(MAX_BYTES)
-    poller = zmq.Poller()
-    for sock in sockets:
-        poller.register(sock, zmq.POLLIN)
-    instance = _handshake(sockets, codecs)
+    instance = _handshake(ports, codecs)
     job = ""
     try:
         while True:
             command, *args = conn.recv()
             if command == "hello":
                 job = args[0]
-                for rank, sock, codec in zip(ranks, sockets, codecs):
-                    sock.send_multipart(codec.encode("hello", {
+                for i, (rank, codec) in enumerate(zip(ranks, codecs)):
+                    ports.send(i, codec.encode("hello", {
                         "rank": rank, "local_rank": rank % 8, "world_size": args[1], "host": "bench",
                         "pid": os.getpid(), "job": job, "device": "cpu", "version": "bench"}, to=instance))
                 conn.send("ok")
             elif command == "ingest":
                 seconds, senders = args
-                conn.send(_ingest(ranks[:senders], sockets[:senders], codecs[:senders], job, events_json,
-                                  per_message, seconds, instance))
+                conn.send(_ingest(ranks[:senders], ports, codecs, job, events_json, per_message, seconds, instance))
             elif command == "arm":
-                _drain(poller)
+                ports.drain()
                 conn.send("armed")
-                conn.send(_await_stop(ranks, sockets, codecs, poller, job, conn, args[0], instance))
+                conn.send(_await_stop(ranks, ports, codecs, job, conn, args[0], instance))
             elif command == "bye":
-                for rank, sock, codec in zip(ranks, sockets, codecs):
-                    sock.send_multipart(codec.encode("bye", {"rank": rank, "job": job, "clean": True}, to=instance))
-                _drain(poller)
+                for i, (rank, codec) in enumerate(zip(ranks, codecs)):
+                    ports.send(i, codec.encode("bye", {"rank": rank, "job": job, "clean": True}, to=instance))
+                ports.drain()
                 conn.send("ok")
             else:
                 return
     finally:
-        for sock in sockets:
-            sock.close(linger=0)
+        ports.close()
         context.term()
 
 
-def _handshake(sockets, codecs) -> str:
+def _handshake(ports: _Ports, codecs) -> str:
     """Each simulated rank's handshake; the coordinator instance the welcomes name."""
-    for sock, codec in zip(sockets, codecs):
-        sock.send_multipart(codec.encode("handshake", {}, to=""))
-    instances = set()
-    for sock, codec in zip(sockets, codecs):
-        if not sock.poll(30_000):
+    for i, codec in enumerate(codecs):
+        ports.send(i, codec.encode("handshake", {}, to=""))
+    instances, welcomed = set(), set()
+    deadline = time.monotonic() + 30
+    while len(welcomed) < len(codecs):
+        if time.monotonic() > deadline:
             raise SystemExit("no welcome from the coordinator within 30 s")
-        instances.add(codec.decode(sock.recv_multipart()).sender)
+        for s, sock in enumerate(ports.sockets):
+            sock.poll(10)
+            for i, frames in ports.receive(s):
+                instances.add(codecs[i].decode(frames).sender)
+                welcomed.add(i)
     (instance,) = instances
     return instance
 
 
-def _ingest(ranks, sockets, codecs, job, events_json, per_message, seconds, instance) -> int:
+def _ingest(ranks, ports: _Ports, codecs, job, events_json, per_message, seconds, instance) -> int:
     bodies = [f'{{"rank":{rank},"job":"{job}","events":{events_json},"action":"warn"}}' for rank in ranks]
     sent = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         progressed = False
-        for sock, codec, body in zip(sockets, codecs, bodies):
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        for i, (codec, body) in enumerate(zip(codecs, bodies)):
+            if ports.writable(i):
                 try:
-                    sock.send_multipart(codec.encode_json("events", body, to=instance), zmq.NOBLOCK)
+                    ports.send(i, codec.encode_json("events", body, to=instance), zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 sent += per_message
@@ -167,14 +211,7 @@ def _ingest(ranks, sockets, codecs, job, events_json, per_message, seconds, inst
     return sent
 
 
-def _drain(poller) -> None:
-    """Read and discard anything waiting (stop commands re-sent before our ack arrived)."""
-    while ready := poller.poll(50):
-        for sock, _ in ready:
-            sock.recv_multipart()
-
-
-def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s, instance) -> list[float]:
+def _await_stop(ranks, ports: _Ports, codecs, job, conn, timeout_s, instance) -> list[float]:
     """When the stop reached each rank (time.time()); acks and says bye after.
 
     The parent sends the command id once its request is answered; a message of an earlier
@@ -182,8 +219,8 @@ def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s, instance) 
     the sockets' ZMQ_FDs, so a wake-up costs what is ready, not a scan of every socket (which
     would steal the CPU the coordinator needs from this 2-core machine and inflate its figure).
     """
-    arrivals: list[list[tuple[float, list[bytes]]]] = [[] for _ in sockets]
-    by_fd = {sock.getsockopt(zmq.FD): i for i, sock in enumerate(sockets)}
+    arrivals: list[list[tuple[float, list[bytes]]]] = [[] for _ in ranks]
+    by_fd = {sock.getsockopt(zmq.FD): s for s, sock in enumerate(ports.sockets)}
     epoll = select.epoll()
     for fd in by_fd:
         epoll.register(fd, select.EPOLLIN)
@@ -191,24 +228,24 @@ def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s, instance) 
     expected: bytes | None = None
     done: dict[int, tuple[float, list[bytes]]] = {}
     deadline = time.monotonic() + timeout_s
-    fresh = list(range(len(sockets)))  # look at every socket once: anything already waiting
+    fresh = list(range(len(ports.sockets)))  # look at every socket once: anything already waiting
     try:
-        while len(done) < len(sockets) and time.monotonic() < deadline:
-            for i in fresh:
-                sock = sockets[i]
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # also re-arms its ZMQ_FD
-                    arrivals[i].append((time.time(), sock.recv_multipart(zmq.NOBLOCK)))
-            if expected is not None:
-                for i in fresh:
-                    if i not in done:
-                        match = next((a for a in arrivals[i] if expected in a[1][0]), None)
-                        if match is not None:
-                            done[i] = match
+        while len(done) < len(ranks) and time.monotonic() < deadline:
+            for s in fresh:
+                now = time.time()
+                for i, frames in ports.receive(s):
+                    arrivals[i].append((now, frames))
+                    if expected is not None and i not in done and expected in frames[0]:
+                        done[i] = arrivals[i][-1]
             fresh = []
             for fd, _ in epoll.poll(0.1):
                 if fd == conn.fileno():
                     expected = b'"command_id":"%s"' % conn.recv().encode()
-                    fresh = list(range(len(sockets)))
+                    for i, got in enumerate(arrivals):  # what came before the id did
+                        match = next((a for a in got if expected in a[1][0]), None)
+                        if match is not None and i not in done:
+                            done[i] = match
+                    fresh = list(range(len(ports.sockets)))
                     break
                 fresh.append(by_fd[fd])
     finally:
@@ -216,12 +253,11 @@ def _await_stop(ranks, sockets, codecs, poller, job, conn, timeout_s, instance) 
     times = []
     for i, (when, frames) in sorted(done.items()):
         message = codecs[i].decode(frames)
-        sockets[i].send_multipart(codecs[i].encode("ack", {"rank": ranks[i],
-                                                           "command_id": message.body["command_id"]}, to=instance))
-        sockets[i].send_multipart(codecs[i].encode("bye", {"rank": ranks[i], "job": job, "clean": True},
-                                                   to=instance))
+        ports.send(i, codecs[i].encode("ack", {"rank": ranks[i], "command_id": message.body["command_id"]},
+                                       to=instance))
+        ports.send(i, codecs[i].encode("bye", {"rank": ranks[i], "job": job, "clean": True}, to=instance))
         times.append(when)
-    _drain(poller)
+    ports.drain()
     return times
 
 
@@ -310,12 +346,14 @@ class Workers:
     """The worker processes and their pipes; every answer is awaited under ``STEP_TIMEOUT_S``, and a
     worker that dies ends the run (``Unfinished``) instead of leaving the benchmark waiting for ever."""
 
-    def __init__(self, ranks: int, procs: int, address: str, token: str | None):
+    def __init__(self, ranks: int, procs: int, address: str, token: str | None, per_node: int = 1):
         spawn = multiprocessing.get_context("spawn")
         self.pipes, self.processes = [], []
+        nodes = [list(range(start, min(ranks, start + per_node))) for start in range(0, ranks, per_node)]
         for p in range(procs):
+            mine = [rank for node in nodes[p::procs] for rank in node]  # whole nodes: one socket each
             parent, child = spawn.Pipe()
-            worker = spawn.Process(target=_worker, args=(list(range(p, ranks, procs)), address, token, child),
+            worker = spawn.Process(target=_worker, args=(mine, address, token, per_node, child),
                                    daemon=True, name=f"ranks-{p}")
             worker.start()
             self.pipes.append(parent)
@@ -442,17 +480,18 @@ def _fanout_summary(first_ms: list[float], last_ms: list[float], every_ms: list[
 
 
 def run(ranks: int, procs: int, senders: int, seconds: float, rounds: int, token: str | None,
-        keep: bool = False) -> dict:
+        keep: bool = False, per_node: int = 8) -> dict:
     """Every figure measured; ``unfinished`` says which step did not complete (then the figures
     are those of the steps before it)."""
     workdir = Path(tempfile.mkdtemp(prefix="nanguard-load-"))
-    result = {"load_average_before": os.getloadavg()[0], "ranks": ranks, "processes": procs, "senders": senders,
+    result = {"load_average_before": os.getloadavg()[0], "ranks": ranks, "per_node": per_node,
+              "processes": procs, "senders": senders,
               "token": token is not None, "cpus": os.cpu_count(), "ingest": None, "unfinished": None}
     coordinator = Coordinator(workdir / "coordinator.jsonl", token)
     workers = None
     first_ms, last_ms, every_ms, from_request_ms = [], [], [], []
     try:
-        workers = Workers(ranks, procs, coordinator.address, token)
+        workers = Workers(ranks, procs, coordinator.address, token, per_node)
         result["ingest"] = _ingest_phase(coordinator, workers, ranks, senders, seconds)
         for round_ in range(rounds):
             latencies, from_request = _fanout_round(coordinator, workers, ranks, f"fanout-{round_}", token)
@@ -524,7 +563,8 @@ def _fanout_rows(fanout: dict) -> list[str]:
 def report(result: dict) -> str:
     coordinator = result["coordinator"]
     lines = [
-        f"nanguard coordinator load: {result['ranks']} simulated ranks ({result['senders']} sending events) "
+        f"nanguard coordinator load: {result['ranks']} simulated ranks ({result['senders']} sending events; "
+        f"{result.get('per_node', 1)} a node, over one connection each) "
         f"in {result['processes']} processes, "
         f"{result['cpus']} CPUs, token {'on' if result['token'] else 'off'}, load average "
         f"{result['load_average_before']:.2f} before / {result['load_average_after']:.2f} after",
@@ -555,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=1024, help="simulated ranks (default %(default)s)")
     parser.add_argument("--procs", type=int, default=2, help="worker processes (default %(default)s)")
+    parser.add_argument("--per-node", type=int, default=8,
+                        help="simulated ranks per node, relayed over one connection as local rank 0 does"
+                             " (1: a connection per rank, NANGUARD_RELAY=0; default %(default)s)")
     parser.add_argument("--senders", type=int, default=64,
                         help="simulated ranks that send events during the ingest (default %(default)s)")
     parser.add_argument("--seconds", type=float, default=20.0, help="ingest duration (default %(default)s)")
@@ -566,8 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds = 6.0, 5
+    if args.per_node < 1:
+        parser.error("--per-node must be at least 1")
     result = run(args.ranks, args.procs, args.senders, args.seconds, args.rounds,
-                 None if args.no_token else TOKEN, args.keep)
+                 None if args.no_token else TOKEN, args.keep, args.per_node)
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

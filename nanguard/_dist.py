@@ -79,6 +79,11 @@ class RankInfo:
     """TORCHELASTIC_RUN_ID: the same on every rank of a job, and across its restarts"""
     restart: int = 0
     """TORCHELASTIC_RESTART_COUNT: how many times the job's workers were restarted"""
+    local_world_size: int = 1
+    """LOCAL_WORLD_SIZE: the ranks on this node"""
+    node: str = ""
+    """GROUP_RANK (torchrun's node rank) and MASTER_ADDR:MASTER_PORT: with the run id and the restart,
+    what names this node's relay (``relay.local_address``)"""
 
     @property
     def job(self) -> str:
@@ -97,7 +102,9 @@ class RankInfo:
     def from_env(cls) -> RankInfo:
         return cls(local_rank=_env_int("LOCAL_RANK", 0), host=socket.gethostname(), pid=os.getpid(),
                    run_id=os.environ.get("TORCHELASTIC_RUN_ID") or None,
-                   restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+                   restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+                   node="\0".join(os.environ.get(name, "") for name in ("GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")))
 
 
 class Collectives:

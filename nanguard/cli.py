@@ -78,11 +78,12 @@ def format_status(status: dict, now: float) -> str:
 
     from ._text import printable as p
 
-    rows = [("rank", "host", "step", "last seen", "state", "events", "dropped")]
+    rows = [("rank", "host", "link", "step", "last seen", "state", "events", "dropped")]
     for r in status["ranks"]:
         state = ("finished" if r["finished"] else "failed" if r["failed"] else "stalled" if r["stalled"]
                  else "alive" if r["alive"] else "dead")
-        rows.append((str(r["rank"]), p(r["host"]) or "?", "?" if r["step"] is None else str(r["step"]),
+        rows.append((str(r["rank"]), p(r["host"]) or "?", "relayed" if r.get("relayed") else "direct",
+                     "?" if r["step"] is None else str(r["step"]),
                      f"{max(0.0, now - r['last_seen']):.1f} s ago", state, str(r["events"]),
                      str(r["dropped"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -30,15 +30,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import curve
+from . import curve, relay as node_relay
 from .errors import ProtocolError
 from .events import Event
-from .link import Admission, Hearing, Link, Silence
+from .link import Admission, Closing, Hearing, Link, Route, Silence
 from .outbox import Numbered, Outbox
-from .protocol import (ACTIONS, IDENTITY_FIELDS, OPTIONAL_IDENTITY_FIELDS, STOP_REASONS, check_curve_key,
-                       parse_address)
+from .protocol import ACTIONS, STOP_REASONS, check_curve_key, parse_address
 from ._throttle import Throttle
-from .wire import MAX_BYTES, Codec, check_body, wire_event
+from .wire import MAX_BYTES, Codec, check_identity, wire_event
 
 log = logging.getLogger("nanguard.client")
 
@@ -167,42 +166,56 @@ class _StopCommands:
                 log.exception("nanguard: on_stop raised for stop command %s; the client goes on", command_id)
 
 
+class _Connection:
+    """Whether this rank's socket reaches the coordinator (``connected``), and what follows when it
+    comes up (first contact, a coordinator restarted, the network back: learn which instance is there
+    before saying anything else) or goes down. Through a relay, its own link to the coordinator
+    says so too (``relay.UP``, ``relay.DOWN``: handshakes go on, dropped by the relay while it is down)."""
+
+    def __init__(self, route: Route, link: Link, sender: _Sender, hearing: Hearing, silence: Silence):
+        self._route, self._link, self._sender, self._hearing, self._silence = route, link, sender, hearing, silence
+        self.connected = False
+
+    def new(self, now: float) -> None:
+        """A new socket: nothing reached yet."""
+        self.connected = False
+        self._route.new_connection(now)
+        self._down()
+
+    def event(self, event: int) -> bool:
+        """A socket monitor's ``event``; False for a failed handshake (CurveZMQ's)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+            self._route.connected()
+            self._up()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            self._route.disconnected(time.monotonic())
+            self._down()
+        else:
+            return False
+        return True
+
+    def relay_notice(self, frames: list[bytes]) -> bool:
+        """Whether ``frames`` are the relay's notice of its own link (then taken into account)."""
+        if len(frames) != 1 or frames[0] not in (node_relay.UP, node_relay.DOWN) or self._route.relay is None:
+            return False
+        self._up() if frames[0] == node_relay.UP else self._down()
+        return True
+
+    def _up(self) -> None:
+        self._hearing.heard(time.monotonic())
+        self._link.reset()
+        self._sender.next_handshake = self._sender.next_heartbeat = 0.0
+
+    def _down(self) -> None:
+        self._link.reset()
+        self._silence.down(time.monotonic())
+
+
 class _Stalled(Exception):
-    """The connection carried nothing back though asked: the client thread makes a new one."""
-
-
-class _Closing:
-    """What ``close`` asks of the client thread: the events first, until the coordinator holds them
-    all or half the time is gone; then what is left counts as dropped, and the last heartbeat (which
-    says so) and the goodbye go; the thread ends once they are sent, or when the time is up."""
-
-    def __init__(self, clean: bool, timeout_s: float):
-        now = time.monotonic()
-        self.clean = clean
-        self.bye_at, self.deadline = now + 0.5 * timeout_s, now + 0.8 * timeout_s
-        self._said = False
-
-    def next(self, outbox: Outbox, done: bool, reachable: bool) -> str | None:
-        """After a turn: "goodbye" (say it now), "end" (the thread ends), or None (not yet)."""
-        now = time.monotonic()
-        if not self._said:
-            if outbox.settled() or not reachable or now >= self.bye_at:
-                self._said = True
-                return "goodbye"
-            return None
-        return "end" if done or not reachable or now >= self.deadline else None
-
-
-def _check_identity(identity: dict[str, Any]) -> None:
-    """ValueError unless ``identity`` is a valid ``hello`` body with exactly the identity fields."""
-    missing = [name for name in IDENTITY_FIELDS if name not in identity]
-    if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
-        raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
-                         f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); got {', '.join(sorted(identity))}")
-    try:
-        check_body("hello", identity)
-    except ProtocolError as exc:
-        raise ValueError(f"invalid identity: {exc}") from None
+    """The connection carried nothing back though asked, or the node's relay is not there: the
+    client thread makes a new one (to the coordinator directly, after a relay)."""
 
 
 def _dealer_options(sock: zmq.Socket) -> None:
@@ -222,18 +235,22 @@ class Client:
     None. ``curve_public_key``: the coordinator's CurveZMQ public key, or None for a plain link.
     ``queue_size``: events held while the thread catches up (or the coordinator is away); more are
     dropped and counted. ``on_stop(command_id, reason, origin)``: called on the client thread, once
-    per stop command; keep it short (set a flag).
+    per stop command; keep it short (set a flag). ``relay``: the ``ipc://`` address of this node's
+    relay (``relay.py``), tried first; None: the coordinator directly.
     """
 
     def __init__(self, address: str, *, token: str | None, identity: dict[str, Any],
                  queue_size: int = 1024, heartbeat_s: float = 2.0, on_stop: OnStop | None = None,
-                 curve_public_key: str | None = None, context: zmq.Context | None = None):
+                 curve_public_key: str | None = None, context: zmq.Context | None = None,
+                 relay: str | None = None):
         parse_address(address)  # ValueError: says what an address looks like
-        _check_identity(identity)
+        check_identity(identity)
         if not (isinstance(queue_size, int) and queue_size > 0 and heartbeat_s > 0):
             raise ValueError(f"queue_size={queue_size!r} and heartbeat_s={heartbeat_s!r} must be positive")
         if curve_public_key is not None:
             check_curve_key(curve_public_key, "curve_public_key")
+        if relay is not None and not relay.startswith("ipc://"):
+            raise ValueError(f"relay={relay!r} must be an ipc:// address")
         self.address = address
         self.identity = dict(identity)
         self._context = context or zmq.Context.instance()
@@ -245,15 +262,16 @@ class Client:
         self._outbox = Outbox(self.identity, queue_size)
         self._sender = _Sender(self._outbox, self._link, self.identity, heartbeat_s, self._warn)
         self._stops = _StopCommands(self._outbox, self.identity["rank"], on_stop)
-        self._connected = False
         self._welcomed = False
         """a coordinator welcomed this rank once (closing then waits for it to come back)"""
         self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
         self._hearing = Hearing(max(_LINK_DEAD_S, 4 * heartbeat_s))
         self._admission = Admission(address, _HELLO_AGAIN_S)
+        self.route = Route(address, relay, time.monotonic())
+        self._connection = _Connection(self.route, self._link, self._sender, self._hearing, self._silence)
         self._throttle = Throttle(_WARN_EVERY_S)
         self._stopping = threading.Event()
-        self._closing: _Closing | None = None
+        self._closing: Closing | None = None
         self._thread: threading.Thread | None = None
 
     # --- training thread ------------------------------------------------------------------
@@ -302,7 +320,7 @@ class Client:
         thread = self._thread
         if thread is None or self._stopping.is_set():
             return
-        self._closing = _Closing(bool(clean), timeout_s)
+        self._closing = Closing(bool(clean), timeout_s)
         self._stopping.set()
         if thread is threading.current_thread():
             return  # from on_stop: the thread ends when the callback returns
@@ -331,6 +349,9 @@ class Client:
                 self._session()
                 return
             except _Stalled:
+                if self.route.go_directly():
+                    log.info("nanguard: this rank goes to the coordinator at %s directly: the node's relay"
+                             " (local rank 0's) is not there or carries nothing", self.address)
                 continue  # a new connection at once
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM or self._stopping.is_set():
@@ -344,17 +365,18 @@ class Client:
         """One socket, from connect until the client closes (or ZeroMQ fails: ZMQError)."""
         sock = self._context.socket(zmq.DEALER)
         monitor = None
-        self._connected = False
-        self._link.reset()
-        self._silence.down(time.monotonic())
+        self._connection.new(time.monotonic())
         try:
             _dealer_options(sock)
-            if self._curve_public_key is not None:
+            if self.route.relay is not None:  # (a relay on this node that is not up yet: no back-off)
+                sock.setsockopt(zmq.RECONNECT_IVL, 20)
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+            if self._curve_public_key is not None and self.route.relay is None:  # (the relay's own link is)
                 curve.connect(sock, self._curve_public_key)
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-            sock.connect(self.address)
+            sock.connect(self.route.address)
             self._loop(sock, monitor)
         finally:
             linger_s = max(0.0, self._closing.deadline - time.monotonic()) if self._stopping.is_set() else 0
@@ -379,8 +401,10 @@ class Client:
                 done = False
             if not self._stopping.is_set():
                 continue
-            # a coordinator never reached is not waited for; one that was may be back in a moment
-            step = self._closing.next(self._outbox, done, reachable=self._connected or self._welcomed)
+            # a coordinator never reached is not waited for; one that was may be back in a moment, and
+            # so may the node's relay (local rank 0 binds it as the others connect: a short job ends first)
+            step = self._closing.next(self._outbox, done, reachable=self._connection.connected or self._welcomed
+                                      or self.route.relay is not None)
             if step is not None:
                 self._drop_unsent()
                 if step == "end":
@@ -391,19 +415,26 @@ class Client:
         """Read what arrived, send what is due; True when nothing is left to send."""
         now = time.time()
         if monitor in ready:
-            self._connection_events(monitor)
+            while monitor.poll(0):
+                if not self._connection.event(recv_monitor_message(monitor)["event"]):
+                    self._warn("curve", f"nanguard: the connection to the coordinator at {self.address} failed "
+                               "its handshake: does NANGUARD_CURVE_PUBLIC_KEY match the coordinator's key (and "
+                               "does it use CurveZMQ at all)?")
         if sock in ready:
             self._receive(sock, now)
         if not self._stopping.is_set():
             self._check_link(time.monotonic())
-        return self._sender.send(sock, now, self._connected)
+        return self._sender.send(sock, now, self._connection.connected)
 
     def _check_link(self, now: float) -> None:
         """Warn of a coordinator that does not answer; ask a welcomed connection that has carried
         nothing back for a while for an answer, and give it up (_Stalled) when none comes."""
-        if said := self._silence.check(now, self._connected):
+        connected = self._connection.connected
+        if self.route.relay_absent(now, connected):
+            raise _Stalled
+        if said := self._silence.check(now, connected):
             log.warning("%s", said)
-        live = self._connected and self._link.instance is not None
+        live = connected and self._link.instance is not None
         self._sender.ask = live and self._hearing.ask(now)
         again, said = self._admission.again(now) if live else (False, None)
         if again:
@@ -415,31 +446,14 @@ class Client:
                      "the connection is made again", self.address, self._hearing.quiet_s(now))
             raise _Stalled
 
-    def _connection_events(self, monitor: zmq.Socket) -> None:
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                # first contact, a coordinator restarted, or the network came back: learn which
-                # instance is there before saying anything else
-                self._connected = True
-                self._hearing.heard(time.monotonic())
-                self._link.reset()
-                self._sender.next_handshake = self._sender.next_heartbeat = 0.0
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
-                self._link.reset()
-                self._silence.down(time.monotonic())
-            else:
-                self._warn("curve", f"nanguard: the connection to the coordinator at {self.address} failed "
-                           "its handshake: does NANGUARD_CURVE_PUBLIC_KEY match the coordinator's key (and "
-                           "does it use CurveZMQ at all)?")
-
     def _receive(self, sock: zmq.Socket, now: float) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if self._connection.relay_notice(frames):
+                continue
             try:
                 message = self._link.read(frames, now)
             except ProtocolError as exc:

@@ -116,6 +116,10 @@ class Settings:
         "the coordinator's CurveZMQ public key: encrypt the link, and talk only to the coordinator holding "
         "its secret key"
     )
+    relay: bool = _setting(
+        True, _parse_bool, "under torchrun, local rank 0 relays its node's ranks to the coordinator over one"
+        " connection (off: a connection per rank)"
+    )
     heartbeat_s: float = _setting(2.0, float, "seconds between heartbeats to the coordinator")
     event_queue: int = _setting(
         1024, int, "events held for the coordinator's sender thread; more are dropped and counted"

@@ -1,15 +1,20 @@
 """The state of one rank's link to the coordinator, apart from the socket: which coordinator
 instance welcomed the connection (``Link``), whether one has for a while (``Silence``), whether it
-let this rank in (``Admission``), and how long the connection has carried nothing back (``Hearing``). The client thread asks; nothing here touches
-a socket.
+let this rank in (``Admission``), how long the connection has carried nothing back (``Hearing``),
+where it goes (the node's relay or the coordinator itself: ``Route``) and what closing it asks
+(``Closing``). The client thread asks; nothing here touches a socket.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from .errors import ProtocolError
 from .wire import Codec, Message, ReplayFilter
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
 
 
 class Link:
@@ -172,3 +177,64 @@ class Admission:
                       "ranks it still counts alive (a rank killed without saying bye counts until the "
                       "coordinator's --dead-after-s); this rank asks again every "
                       f"{self.again_s:g} s and is guarded locally meanwhile")
+
+
+RELAY_WAIT_S = 30.0
+"""how long a rank waits for its node's relay (local rank 0 may start later) before it goes to the
+coordinator directly"""
+RELAY_LOST_S = 5.0
+"""how long a rank whose relay was there waits for it to come back before it goes directly"""
+
+
+class Route:
+    """Where a rank's connection goes: its node's relay (``relay.py``; None: none) until the relay is
+    not there for a while or carries nothing back though asked, then the coordinator itself, for good."""
+
+    def __init__(self, coordinator: str, relay: str | None, now: float):
+        self.coordinator, self.relay = coordinator, relay
+        self._seen, self._lost_at = False, now
+
+    @property
+    def address(self) -> str:
+        return self.relay or self.coordinator
+
+    def new_connection(self, now: float) -> None:
+        self._seen, self._lost_at = False, now
+
+    def connected(self) -> None:
+        self._seen = True
+
+    def disconnected(self, now: float) -> None:
+        self._lost_at = now
+
+    def relay_absent(self, now: float, connected: bool) -> bool:
+        """Whether the relay has been away too long: the next connection goes directly."""
+        return self.relay is not None and not connected and now - self._lost_at > (
+            RELAY_LOST_S if self._seen else RELAY_WAIT_S)
+
+    def go_directly(self) -> bool:
+        """From now on to the coordinator itself; True when this gave up a relay."""
+        gave_up, self.relay = self.relay is not None, None
+        return gave_up
+
+
+class Closing:
+    """What ``close`` asks of the client thread: the events first, until the coordinator holds them
+    all or half the time is gone; then what is left counts as dropped, and the last heartbeat (which
+    says so) and the goodbye go; the thread ends once they are sent, or when the time is up."""
+
+    def __init__(self, clean: bool, timeout_s: float):
+        now = time.monotonic()
+        self.clean = clean
+        self.bye_at, self.deadline = now + 0.5 * timeout_s, now + 0.8 * timeout_s
+        self._said = False
+
+    def next(self, outbox: Outbox, done: bool, reachable: bool) -> str | None:
+        """After a turn: "goodbye" (say it now), "end" (the thread ends), or None (not yet)."""
+        now = time.monotonic()
+        if not self._said:
+            if outbox.settled() or not reachable or now >= self.bye_at:
+                self._said = True
+                return "goodbye"
+            return None
+        return "end" if done or not reachable or now >= self.deadline else None

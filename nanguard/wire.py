@@ -57,7 +57,7 @@ from typing import Any
 from .errors import ProtocolError
 from .events import event_values, shown
 from ._text import printable
-from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, ROLES, STOP_REASONS
+from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, OPTIONAL_IDENTITY_FIELDS, ORIGINS, ROLES, STOP_REASONS
 
 VERSION = 2
 MAX_BYTES = 64 * 1024
@@ -235,7 +235,7 @@ _STATUS_RANK = _object({
     "step": _optional(_COUNT), "step_time_s": _optional(_SECONDS), "grad_norm": _GRAD_NORM,
     "last_seen": _TIMESTAMP, "alive": _boolean, "stalled": _boolean, "finished": _boolean,
     "failed": _boolean, "events": _COUNT, "dropped": _COUNT,
-})
+}, {"relayed": _boolean})  # (through its node's relay: relay.py)
 _STOP_STATE = _object({
     "command_id": _COMMAND_ID, "origin": _text(16, ORIGINS), "reason": _REASON, "time": _TIMESTAMP,
     "acked": _list(_RANK, 0, MAX_RANK),
@@ -291,6 +291,18 @@ def check_body(type_: str, body: Any) -> dict[str, Any]:
         return schema(body)
     except ValueError as exc:
         raise ProtocolError(f"bad {type_} message body{exc}", reason="schema") from None
+
+
+def check_identity(identity: dict[str, Any]) -> None:
+    """ValueError unless ``identity`` is a valid ``hello`` body with exactly the identity fields."""
+    missing = [name for name in IDENTITY_FIELDS if name not in identity]
+    if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
+        raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
+                         f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); got {', '.join(sorted(identity))}")
+    try:
+        check_body("hello", identity)
+    except ProtocolError as exc:
+        raise ValueError(f"invalid identity: {exc}") from None
 
 
 # --- envelope -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError
 from ..protocol import OBSERVED
@@ -32,6 +32,9 @@ from .metrics import Metrics
 from .policy import Policy
 from .ranks import Admission, RankTable
 from .stop import StopCommand, StopFanout
+
+if TYPE_CHECKING:
+    from ..relay import Route
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -68,7 +71,7 @@ class Handlers:
         """rank -> (its session, how many of that session's numbered events are held): what
         ``received`` answers; one entry per rank, forgotten with its job"""
 
-    def handle(self, message: Message, identity: bytes, at: Instant) -> None:
+    def handle(self, message: Message, identity: Route, at: Instant) -> None:
         """Apply ``message``, which came over the connection ``identity``; ProtocolError refuses it."""
         type_ = message.type
         if type_ == "handshake":
@@ -105,7 +108,7 @@ class Handlers:
             self._sync_soon()
         return command, made
 
-    def _on_hello(self, message: Message, identity: bytes, at: Instant) -> None:
+    def _on_hello(self, message: Message, identity: Route, at: Instant) -> None:
         hello = self.ranks.hello(message.sender, identity, message.body, at)
         if self.stops.admitted(hello.admission):  # a new incarnation, and a standing stop lifted for it
             self.policy.reset()
@@ -118,7 +121,7 @@ class Handlers:
         # the answer lets the rank know it is in (one refused asks again: client.py)
         self._reply(identity, message, "received", {"rank": hello.state.rank, "events": self._holding(hello.state)})
 
-    def _on_heartbeat(self, state, message: Message, identity: bytes, at: Instant) -> None:
+    def _on_heartbeat(self, state, message: Message, identity: Route, at: Instant) -> None:
         self.ranks.heartbeat(state, message.body, at)
         if message.body.get("answer"):
             # the rank has heard nothing from here for a while: an answer shows it the link carries
@@ -130,7 +133,7 @@ class Handlers:
         session, held = self._held.get(state.rank, (state.sender, 0))
         return held if session == state.sender else 0  # another session: a new process, numbered from 0
 
-    def _on_batch(self, state, message: Message, identity: bytes, at: Instant) -> None:
+    def _on_batch(self, state, message: Message, identity: Route, at: Instant) -> None:
         """An ``events`` message: the events this coordinator does not hold yet, and, for a numbered
         batch, the answer that says how many it holds."""
         body = message.body
@@ -195,19 +198,19 @@ class Handlers:
     def _on_bye(self, state, body: dict[str, Any], at: Instant) -> None:
         self.ranks.bye(state, body["clean"], at)
 
-    def _operator_only(self, message: Message, identity: bytes, what: str) -> None:
+    def _operator_only(self, message: Message, identity: Route, what: str) -> None:
         """Refuse (``forbidden``, and a ``refused`` answer) a request without the operator credential."""
         if message.role != "operator" and (self._operator_gate or message.role is not None):
             self._reply(identity, message, "refused", {"reason": _NO_OPERATOR_TOKEN.format(what)})
             raise ProtocolError(f"a {message.type} from {message.sender} without the operator credential",
                                 reason="forbidden")
 
-    def _on_stop_request(self, message: Message, identity: bytes, at: Instant) -> None:
+    def _on_stop_request(self, message: Message, identity: Route, at: Instant) -> None:
         self._operator_only(message, identity, "stopping a job")
         command, made = self.begin_stop("operator", message.body["reason"], "operator", at)
         self._reply(identity, message, "stop_accepted", {"command_id": command.command_id, "existing": not made})
 
-    def _on_clear_request(self, message: Message, identity: bytes) -> None:
+    def _on_clear_request(self, message: Message, identity: Route) -> None:
         self._operator_only(message, identity, "lifting a job's stop")
         command = self.stops.clear()
         if command is None:

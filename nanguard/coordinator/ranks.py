@@ -32,12 +32,15 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import ProtocolError
 from ..events import json_float
 from .clock import Instant, require_positive
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..relay import Route
 
 log = logging.getLogger("nanguard.coordinator")
 
@@ -55,9 +58,9 @@ job start and end cost the loop time and bury the lines that matter"""
 @dataclass(slots=True)
 class RankState:
     rank: int
-    routing_id: bytes
+    routing_id: Route
     """the ZeroMQ route of the rank's current connection (assigned by the ROUTER, never chosen by
-    the peer)"""
+    the peer), or of its node's relay and the rank's route inside it (``relay.Route``)"""
     sender: str
     """the session (``Message.sender``) whose hello registered this rank: the only one that speaks
     for it"""
@@ -87,6 +90,7 @@ class RankState:
     def status(self) -> dict[str, Any]:
         """This rank's row of a ``status`` reply (coordinator -> operator)."""
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "world_size": self.world_size,
+                "relayed": type(self.routing_id) is tuple,
                 "step": self.step, "step_time_s": self.step_time_s,
                 "grad_norm": json_float(self.grad_norm), "last_seen": self.last_seen,
                 "alive": self.alive, "stalled": self.stalled, "finished": self.finished,
@@ -163,7 +167,7 @@ class RankTable:
     def __contains__(self, rank: object) -> bool:
         return rank in self._ranks
 
-    def hello(self, sender: str, routing_id: bytes, body: dict[str, Any], at: Instant) -> Hello:
+    def hello(self, sender: str, routing_id: Route, body: dict[str, Any], at: Instant) -> Hello:
         """A rank's hello: admit its job incarnation, bind the rank to ``sender``. Raises
         ProtocolError (``wrong_job``, ``out_of_range``) when it is refused; nothing changes then."""
         rank, world_size = body["rank"], body["world_size"]
@@ -260,7 +264,7 @@ class RankTable:
                                 f"rank {rank} to this coordinator instance", reason="unregistered")
         return state
 
-    def seen(self, state: RankState, routing_id: bytes, at: Instant) -> None:
+    def seen(self, state: RankState, routing_id: Route, at: Instant) -> None:
         """The rank is heard from at ``at``, over the connection ``routing_id``."""
         if not state.alive and not state.finished and not state.failed:
             log.info("rank %d is back after %.0f s of silence", state.rank, at.mono - state.heard_at)

@@ -28,6 +28,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from .. import curve
+from ..relay import Route, describe, envelope, unwrap
 from .._version import __version__
 from ..errors import ProtocolError
 from ..protocol import check_curve_key, parse_address
@@ -207,7 +208,8 @@ class Coordinator:
     def _handle(self, frames: list[bytes], at: Instant) -> None:
         identity = frames[0]
         try:
-            message = self._codec.decode(frames[1:])
+            identity, frames = unwrap(frames[1:], identity)  # (a node's relay: ``relay.py``)
+            message = self._codec.decode(frames)
             self._replay.check(message, at.wall)
             self._handlers.handle(message, identity, at)
         except ProtocolError as exc:
@@ -229,7 +231,7 @@ class Coordinator:
     def _encode_to_rank(self, type_: str, body_json: str, to: str) -> list[bytes]:
         return self._codec.encode_json(type_, body_json, to=to, role="rank")
 
-    def _reply(self, identity: bytes, message: Message, type_: str, body: dict[str, Any]) -> None:
+    def _reply(self, identity: Route, message: Message, type_: str, body: dict[str, Any]) -> None:
         """Answer ``message`` on its connection, addressed to its session, signed with the key that
         verified it (no MAC where it had none)."""
         try:
@@ -239,13 +241,14 @@ class Coordinator:
             return
         self._send([(identity, frames)])
 
-    def _send(self, messages: Iterable[tuple[bytes, list[bytes]]]) -> None:
+    def _send(self, messages: Iterable[tuple[Route, list[bytes]]]) -> None:
         """Send each message without waiting: one for a peer whose queue is full (it does not read)
         or whose connection is gone is dropped and counted."""
         # the fan-out's cost is this loop: plain sends, no list per rank (send_multipart's)
         send, first, more = self._socket.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.SNDMORE
         full = gone = 0
-        for routing_id, frames in messages:
+        for route, frames in messages:
+            routing_id, before = envelope(route)
             try:
                 # ROUTER_MANDATORY: the routing id is refused (queue at SNDHWM, or no such
                 # connection) or the whole message is queued; the later frames never block
@@ -258,6 +261,8 @@ class Coordinator:
                     raise
                 gone += 1
                 continue
+            for frame in before:
+                send(frame, more)
             for frame in frames[:-1]:
                 send(frame, more)
             send(frames[-1])
@@ -352,17 +357,17 @@ class _BadMessages:
         """reason -> loop-clock time of its last log line"""
         self._unlogged: dict[str, int] = {}
 
-    def __call__(self, reason: str, identity: bytes, text: str, at: Instant) -> None:
+    def __call__(self, reason: str, identity: Route, text: str, at: Instant) -> None:
         self._metrics.bad_message(reason)
         more = self._due(reason, at)
         if more is not None:
-            log.warning("dropped a bad message (%s) from peer %s: %s%s", reason, identity.hex()[:16], text,
+            log.warning("dropped a bad message (%s) from peer %s: %s%s", reason, describe(identity), text,
                         f" (and {more} more {reason} since the last such line)" if more else "")
 
-    def internal(self, identity: bytes, at: Instant) -> None:
+    def internal(self, identity: Route, at: Instant) -> None:
         """The loop failed on a message (call from an ``except`` block): counted, and logged."""
         self._metrics.bad_message("internal")
-        self.failed(f"a message from peer {identity.hex()[:16]} (counted as internal)", at)
+        self.failed(f"a message from peer {describe(identity)} (counted as internal)", at)
 
     def failed(self, what: str, at: Instant) -> None:
         """The loop failed on ``what`` (call from an ``except`` block): log the traceback."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 
 import torch
 
@@ -51,6 +52,28 @@ class Reporter:
         """Send what is queued (bounded time) and stop; ``clean=False``: the process ends by an error."""
 
 
+def _relay(settings: Settings, identity: RankInfo):
+    """(the relay this process runs for its node, or None; the relay address its client uses, or
+    None): under torchrun with more than one rank on the node, local rank 0 relays (``relay.py``);
+    a relay that cannot start is said, and the node's ranks go to the coordinator directly."""
+    from .. import relay
+
+    if not settings.relay or identity.local_world_size < 2:
+        return None, None
+    address = relay.local_address(uid=os.getuid(), run_id=identity.run_id, restart=identity.restart,
+                                  node=identity.node)
+    if identity.local_rank != 0:
+        return None, address
+    node = relay.Relay(settings.coordinator, address, curve_public_key=settings.curve_public_key,
+                       local_ranks=identity.local_world_size)
+    try:
+        node.start()
+    except OSError as exc:
+        log.warning("nanguard: %s; this node's ranks go to the coordinator directly", exc)
+        return None, None
+    return node, address
+
+
 def connect(settings: Settings, identity: RankInfo, group: Collectives) -> Reporter:
     """A reporter to ``settings.coordinator``; a coordinator link that cannot be made is logged and
     training goes on guarded locally (nanguard.init never fails because of the coordinator)."""
@@ -73,9 +96,16 @@ class CoordinatorReporter(Reporter):
                  "host": identity.host, "pid": identity.pid, "job": identity.job,
                  "device": f"cuda:{identity.local_rank}" if torch.cuda.is_available() else "cpu",
                  "version": __version__, "restart": identity.restart}
-        self._client = Client(settings.coordinator, token=settings.token, identity=hello,
-                              queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
-                              on_stop=self._on_stop, curve_public_key=settings.curve_public_key)
+        self._relay, relay_address = _relay(settings, identity)
+        try:
+            self._client = Client(settings.coordinator, token=settings.token, identity=hello,
+                                  queue_size=settings.event_queue, heartbeat_s=settings.heartbeat_s,
+                                  on_stop=self._on_stop, curve_public_key=settings.curve_public_key,
+                                  relay=relay_address)
+        except ValueError:
+            if self._relay is not None:
+                self._relay.close(timeout_s=0.0)
+            raise
         self._client.start()
         # a script that ends with an exception still sends what is queued (its stop, its events)
         atexit.register(self._close_at_exit)
@@ -109,6 +139,8 @@ class CoordinatorReporter(Reporter):
         atexit.unregister(self._close_at_exit)
         self._release_exit()
         self._client.close(timeout_s=2.0, clean=clean)
+        if self._relay is not None:  # once the node's other ranks said goodbye through it (bounded)
+            self._relay.close()
 
     def _close_at_exit(self) -> None:
         # an uncaught exception, or a non-zero code asked of sys.exit: failed, not finished (outcome.py)

@@ -206,16 +206,16 @@ class Launcher:
         argv = [*launch, str(REPO / path), *args]
         return self._spawn([(argv, base_env(self.tmp_path))], self.tmp_path)
 
-    def multi_node(self, script: str, *args: str, nnodes: int = 2,
+    def multi_node(self, script: str, *args: str, nnodes: int = 2, nproc: int = 1,
                    timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> Job:
-        """``nnodes`` torchrun agents (one process each) meeting through c10d rendezvous on
+        """``nnodes`` torchrun agents (``nproc`` processes each) meeting through c10d rendezvous on
         localhost, as on ``nnodes`` machines; agent i runs with ``NG_TEST_NODE=i``."""
         out_dir = self.tmp_path / f"out{self._count + 1}"
         endpoint = f"127.0.0.1:{free_port()}"
         commands = []
         for node in range(nnodes):
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                    "--nproc-per-node", "1", "--node-rank", str(node), "--max-restarts", "0",
+                    "--nproc-per-node", str(nproc), "--node-rank", str(node), "--max-restarts", "0",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                     "--rdzv-id", f"nanguard-test-{os.getpid()}-{self._count}",
                     str(WORKERS / script), str(out_dir), *args]

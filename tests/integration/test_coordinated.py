@@ -32,9 +32,9 @@ def wait_for_progress(progress: Path, steps: int, job, timeout: float = 60) -> N
     pytest.fail(f"no progress to step {steps} within {timeout}s")
 
 
-def stopped_at(job, step: int) -> dict[int, dict]:
+def stopped_at(job, step: int, world: int = 2) -> dict[int, dict]:
     """The ranks' results, once it is checked that every rank stopped on a NonFiniteError at ``step``."""
-    results = job.ok(world=2)
+    results = job.ok(world=world)
     assert {r["error"]["event"]["step"] for r in results.values()} == {step}, results
     return results
 
@@ -246,6 +246,32 @@ def test_two_nodes_report_to_one_coordinator(torchrun, coordinator):
     faulty = next(rank for rank, r in results.items() if r["faulty"])
     assert coordinator.wait_for("nanguard_nonfinite_events_total", kind="forward", rank=str(faulty)) == 1
     assert coordinator.wait_for("nanguard_stops_total", reason="nonfinite") == 1
+
+
+@pytest.mark.timeout(300)
+def test_each_node_reports_through_its_local_rank_0s_relay(torchrun, coordinator):
+    """Two agents of two ranks each: every rank's link goes through its own node's relay (two relays,
+    told apart by the node), the stop reaches all four at one step and each acks it."""
+    coordinator.start()
+    job = torchrun.multi_node("ddp_train.py", "--fault", "forward", "--fault-node", "1", "--fault-step", "3",
+                              "--steps", "5", nproc=2, env={"NANGUARD_COORDINATOR": coordinator.address})
+    stopped_at(job, 3, world=4)
+    assert coordinator.wait_for("nanguard_ranks_finished", at_least=4) == 4
+    status = request(coordinator.address, None, "status_request", {}, timeout_s=20).body
+    assert [(r["rank"], r["relayed"]) for r in status["ranks"]] == [(rank, True) for rank in range(4)]
+    assert sorted(status["stop"]["acked"]) == [0, 1, 2, 3]
+    assert coordinator.value("nanguard_bad_messages_total") == 0
+
+
+@pytest.mark.timeout(240)
+def test_without_the_relay_every_rank_has_its_own_link(torchrun, coordinator):
+    coordinator.start()
+    job = torchrun.standalone("ddp_train.py", "--steps", "3",
+                              env={"NANGUARD_COORDINATOR": coordinator.address, "NANGUARD_RELAY": "0"})
+    job.ok(world=2)
+    assert coordinator.wait_for("nanguard_ranks_finished", at_least=2) == 2
+    status = request(coordinator.address, None, "status_request", {}, timeout_s=20).body
+    assert [r["relayed"] for r in status["ranks"]] == [False, False]
 
 
 GUARDED_SCRIPT = """

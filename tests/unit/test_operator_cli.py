@@ -30,7 +30,7 @@ def test_status_table():
     ranks = [
         {"rank": 0, "host": "node1", "pid": 1, "world_size": 2, "step": 41, "step_time_s": 0.3,
          "grad_norm": 1.0, "last_seen": 998.0, "alive": True, "stalled": False, "finished": False,
-         "failed": False, "events": 0, "dropped": 0},
+         "failed": False, "events": 0, "dropped": 0, "relayed": True},
         {"rank": 1, "host": "", "pid": None, "world_size": None, "step": None, "step_time_s": None,
          "grad_norm": None, "last_seen": 900.0, "alive": False, "stalled": False, "finished": False,
          "failed": False, "events": 12, "dropped": 3},
@@ -42,10 +42,11 @@ def test_status_table():
     text = format_status({"job": "j", "ranks": ranks, "stop": stop}, now=1000.0)
     lines = text.splitlines()
     assert lines[0] == "job: j, 3 rank(s)"
-    assert lines[1].split() == ["rank", "host", "step", "last", "seen", "state", "events", "dropped"]
-    assert lines[2].split() == ["0", "node1", "41", "2.0", "s", "ago", "alive", "0", "0"]
-    assert lines[3].split() == ["1", "?", "?", "100.0", "s", "ago", "dead", "12", "3"]
-    assert lines[4].split() == ["2", "node2", "40", "1.0", "s", "ago", "failed", "0", "0"]
+    assert lines[1].split() == ["rank", "host", "link", "step", "last", "seen", "state", "events", "dropped"]
+    assert lines[2].split() == ["0", "node1", "relayed", "41", "2.0", "s", "ago", "alive", "0", "0"]
+    # (a coordinator of an earlier version says nothing of relays: direct)
+    assert lines[3].split() == ["1", "?", "direct", "?", "100.0", "s", "ago", "dead", "12", "3"]
+    assert lines[4].split() == ["2", "node2", "direct", "40", "1.0", "s", "ago", "failed", "0", "0"]
     assert lines[5].startswith("stop: command abc (operator) at ") and lines[5].endswith(
         ": maintenance; acked by 1 of 3 rank(s); nanguard clear lifts it")
     # the incarnation it stopped: the job, and the launch's restart count where the ranks said it
@@ -58,7 +59,7 @@ def test_status_table():
     line = format_status({"job": "j", "ranks": ranks, "stop": policy}, now=1000.0).splitlines()[5]
     assert line.startswith("stop: command abc (policy, counted as nonfinite) at ")
     assert format_status({"job": None, "ranks": [], "stop": None}, now=0).splitlines() == [
-        "job: (none yet), 0 rank(s)", "rank  host  step  last seen  state  events  dropped", "stop: none"]
+        "job: (none yet), 0 rank(s)", "rank  host  link  step  last seen  state  events  dropped", "stop: none"]
 
 
 def test_operator_commands_refuse_what_is_no_address(capsys, monkeypatch):
