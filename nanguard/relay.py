@@ -115,6 +115,25 @@ def describe(route: Route) -> str:
     return route.hex()[:16]
 
 
+_RUNNING: dict[str, Relay] = {}
+"""this process's relays by local address: two guards of one process share one (a second bind of the
+address would take its file from the first)"""
+_RUNNING_LOCK = threading.Lock()
+
+
+def shared(upstream: str, local: str, **options) -> Relay:
+    """This process's relay at ``local``, started at its first use (OSError when it cannot start);
+    each use ends with ``release``, and the last one closes it."""
+    with _RUNNING_LOCK:
+        running = _RUNNING.get(local)
+        if running is None or running.upstream != upstream or running.closed:
+            running = Relay(upstream, local, **options)
+            running.start()
+            _RUNNING[local] = running
+        running.users += 1
+        return running
+
+
 class Relay:
     """Local rank 0's relay for its node: ``local`` (an ``ipc://`` address, ``local_address``) to the
     coordinator at ``upstream``. ``curve_public_key``: the coordinator's, for an encrypted link."""
@@ -132,6 +151,8 @@ class Relay:
         """messages dropped because the other side's queue was full or the rank was gone"""
         self._closing = threading.Event()
         self._closing_s = 0.0
+        self.users = 0
+        """the uses ``shared`` handed out and not yet released"""
         self.links = 0
         """the node's ranks connected to this relay now"""
         self._thread: threading.Thread | None = None
@@ -148,6 +169,20 @@ class Relay:
             raise OSError(f"nanguard's relay did not start within {timeout_s:.0f} s")
         if self._failed is not None:
             raise OSError(f"nanguard's relay cannot bind {self.local}: {self._failed}") from self._failed
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def release(self, timeout_s: float = 5.0) -> None:
+        """One use (``shared``) ends; the last closes the relay (``close``)."""
+        with _RUNNING_LOCK:
+            self.users -= 1
+            last = self.users <= 0
+            if last and _RUNNING.get(self.local) is self:
+                del _RUNNING[self.local]
+        if last:
+            self.close(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop relaying once the node's other ranks are gone (their goodbyes go through it) or

@@ -64,10 +64,9 @@ def _relay(settings: Settings, identity: RankInfo):
                                   node=identity.node)
     if identity.local_rank != 0:
         return None, address
-    node = relay.Relay(settings.coordinator, address, curve_public_key=settings.curve_public_key,
-                       local_ranks=identity.local_world_size)
     try:
-        node.start()
+        node = relay.shared(settings.coordinator, address, curve_public_key=settings.curve_public_key,
+                            local_ranks=identity.local_world_size)
     except OSError as exc:
         log.warning("nanguard: %s; this node's ranks go to the coordinator directly", exc)
         return None, None
@@ -104,7 +103,7 @@ class CoordinatorReporter(Reporter):
                                   relay=relay_address)
         except ValueError:
             if self._relay is not None:
-                self._relay.close(timeout_s=0.0)
+                self._relay.release(timeout_s=0.0)
             raise
         self._client.start()
         # a script that ends with an exception still sends what is queued (its stop, its events)
@@ -139,8 +138,9 @@ class CoordinatorReporter(Reporter):
         atexit.unregister(self._close_at_exit)
         self._release_exit()
         self._client.close(timeout_s=2.0, clean=clean)
-        if self._relay is not None:  # once the node's other ranks said goodbye through it (bounded)
-            self._relay.close()
+        node, self._relay = self._relay, None
+        if node is not None:  # once the node's other ranks said goodbye through it (bounded)
+            node.release()
 
     def _close_at_exit(self) -> None:
         # an uncaught exception, or a non-zero code asked of sys.exit: failed, not finished (outcome.py)

@@ -188,3 +188,16 @@ def test_a_relay_forwards_nothing_that_is_not_a_relayed_message(coordinator, add
     while frames[0] in (relay.UP, relay.DOWN):
         frames = sock.recv_multipart()
     assert codec.decode(frames).type == "welcome"
+
+
+def test_two_guards_of_one_process_share_its_relay(coordinator, address):
+    first = relay.shared(coordinator.address, address, local_ranks=2)
+    second = relay.shared(coordinator.address, address, local_ranks=2)
+    assert second is first and first.users == 2
+    first.release(timeout_s=0.0)
+    assert not first.closed and os.path.exists(address[len("ipc://"):])
+    second.release(timeout_s=0.0)
+    assert first.closed and not os.path.exists(address[len("ipc://"):])
+    third = relay.shared(coordinator.address, address, local_ranks=2)  # a later guard: a new one
+    assert third is not first
+    third.release(timeout_s=0.0)
