@@ -6,6 +6,8 @@ import time
 
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from nanguard import relay
@@ -201,3 +203,21 @@ def test_two_guards_of_one_process_share_its_relay(coordinator, address):
     third = relay.shared(coordinator.address, address, local_ranks=2)  # a later guard: a new one
     assert third is not first
     third.release(timeout_s=0.0)
+
+
+frames_lists = st.lists(st.one_of(st.binary(max_size=300), st.just(relay.RELAYED)), max_size=6)
+
+
+@given(frames_lists, st.binary(min_size=1, max_size=8))
+def test_any_frames_are_unwrapped_or_refused_and_the_route_sends_back(frames, connection):
+    """Whatever a peer sends: a route and a tail of its frames, or a ProtocolError; never another
+    error, and the route's envelope leads back to the connection it came over."""
+    try:
+        route, rest = relay.unwrap(frames, connection)
+    except ProtocolError:
+        assert frames[0] == relay.RELAYED and len(frames) >= 3
+        return
+    assert list(rest) == list(frames[len(frames) - len(rest):])
+    first, before = relay.envelope(route)
+    assert first == connection
+    assert list(before) + list(rest) == (list(frames) if before else list(rest))
