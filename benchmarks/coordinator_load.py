@@ -179,15 +179,19 @@ def _handshake(ports: _Ports, codecs) -> str:
     for i, codec in enumerate(codecs):
         ports.send(i, codec.encode("handshake", {}, to=""))
     instances, welcomed = set(), set()
+    poller, index = zmq.Poller(), {}
+    for s, sock in enumerate(ports.sockets):
+        poller.register(sock, zmq.POLLIN)
+        index[sock] = s
     deadline = time.monotonic() + 30
     while len(welcomed) < len(codecs):
         if time.monotonic() > deadline:
             raise SystemExit("no welcome from the coordinator within 30 s")
-        for s, sock in enumerate(ports.sockets):
-            sock.poll(10)
-            for i, frames in ports.receive(s):
+        for sock, _ in poller.poll(100):
+            for i, frames in ports.receive(index[sock]):
                 instances.add(codecs[i].decode(frames).sender)
                 welcomed.add(i)
+                deadline = time.monotonic() + 30  # (30 s without a welcome: 16,384 connections take a while)
     (instance,) = instances
     return instance
 

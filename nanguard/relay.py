@@ -39,6 +39,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import curve
+from ._throttle import Throttle
 from .errors import ProtocolError
 from .wire import MAX_BYTES
 
@@ -151,6 +152,7 @@ class Relay:
         """messages dropped because the other side's queue was full or the rank was gone"""
         self._closing = threading.Event()
         self._closing_s = 0.0
+        self._throttle = Throttle(60.0)
         self.users = 0
         """the uses ``shared`` handed out and not yet released"""
         self.links = 0
@@ -223,7 +225,9 @@ class Relay:
             except zmq.ZMQError as exc:
                 self._failed = exc
                 return
-            monitor = up.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            monitor = up.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             up.connect(self.upstream)
             self._ready.set()
             self._loop(down, up, monitor, local)
@@ -296,6 +300,10 @@ class Relay:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.up = False
                 self._tell(down, self._peers, DOWN)
+            elif self._throttle.allow("curve")[0]:
+                log.warning("nanguard: this node's relay (local rank 0) failed its handshake with the coordinator at"
+                            " %s: does NANGUARD_CURVE_PUBLIC_KEY match the coordinator's key (and does it use"
+                            " CurveZMQ at all)? The node's ranks report nothing until it does", self.upstream)
 
     def _tell(self, down: zmq.Socket, routes: Iterable[bytes], notice: bytes) -> None:
         for route in list(routes):

@@ -221,3 +221,35 @@ def test_any_frames_are_unwrapped_or_refused_and_the_route_sends_back(frames, co
     first, before = relay.envelope(route)
     assert first == connection
     assert list(before) + list(rest) == (list(frames) if before else list(rest))
+
+
+def test_the_relays_own_link_is_encrypted_and_a_wrong_key_is_said(tmp_path, address, closing, caplog):
+    """CurveZMQ: ranks behind a relay that holds the coordinator's public key reach it; a relay given
+    another key says so on local rank 0's log, and its ranks are not registered."""
+    from nanguard import curve
+
+    public, secret = curve.keypair()
+    served = Coordinator("tcp://127.0.0.1:0", token=TOKEN, registry=CollectorRegistry(), curve_secret_key=secret,
+                         log_path=str(tmp_path / "log.jsonl"))
+    served.start()
+    closing(served)
+    node = relay.Relay(served.address, address, curve_public_key=public, local_ranks=1)
+    node.start()
+    closing(node)
+    client = Client(served.address, token=TOKEN, identity=identity(0, 0), heartbeat_s=0.2, relay=address,
+                    curve_public_key=public)
+    client.start()
+    closing(client)
+    ranks = lambda: {r["rank"]: r for r in request(served.address, TOKEN, "status_request", {},  # noqa: E731
+                                                   curve_public_key=public).body["ranks"]}
+    assert wait_for(lambda: ranks().get(0, {}).get("relayed"))
+    wrong = relay.Relay(served.address, address + "-wrong", curve_public_key=curve.keypair()[0], local_ranks=1)
+    with caplog.at_level("WARNING", logger="nanguard.relay"):
+        wrong.start()
+        closing(wrong)
+        other = Client(served.address, token=TOKEN, identity=identity(1, 1), heartbeat_s=0.2,
+                       relay=address + "-wrong", curve_public_key=public)
+        other.start()
+        closing(other)
+        wait_for(lambda: "failed its handshake" in caplog.text)
+    assert 1 not in ranks()
