@@ -174,7 +174,8 @@ class Relay:
 
     @property
     def closed(self) -> bool:
-        return self._closing.is_set()
+        """Closed, or its thread ended (failed): ``shared`` starts another."""
+        return self._closing.is_set() or (self._thread is not None and not self._thread.is_alive())
 
     def release(self, timeout_s: float = 5.0) -> None:
         """One use (``shared``) ends; the last closes the relay (``close``)."""
