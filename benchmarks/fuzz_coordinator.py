@@ -38,13 +38,12 @@ import zmq  # noqa: E402
 
 from nanguard.errors import ProtocolError  # noqa: E402
 from nanguard.protocol import BAD_MESSAGE_REASONS  # noqa: E402
-from nanguard.wire import MAX_BYTES, TYPES, Codec, ReplayFilter  # noqa: E402
+from nanguard.wire import MAX_BYTES, MAX_FRAME_BYTES, TYPES, Codec, ReplayFilter  # noqa: E402
 
 JOB = "fuzz-job"
 WORLD_SIZE = 4
 RANK_TOKEN = "fuzz-rank-token"
 OPERATOR_TOKEN = "fuzz-operator-token"
-MAX_FRAME_BYTES = 2 * MAX_BYTES
 """the coordinator reads (and counts) frames up to this; larger ones end their connection in ZeroMQ"""
 STALE_S = 3600.0
 

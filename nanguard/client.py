@@ -33,11 +33,11 @@ from zmq.utils.monitor import recv_monitor_message
 from . import curve, relay as node_relay
 from .errors import ProtocolError
 from .events import Event
-from .link import Admission, Closing, Hearing, Link, Route, Silence
+from .link import Admission, Closing, Hearing, Link, Silence, Target, check_identity
 from .outbox import Numbered, Outbox
 from .protocol import ACTIONS, STOP_REASONS, check_curve_key, parse_address
 from ._throttle import Throttle
-from .wire import MAX_BYTES, Codec, check_identity, wire_event
+from .wire import MAX_FRAME_BYTES, Codec, wire_event
 
 log = logging.getLogger("nanguard.client")
 
@@ -172,7 +172,7 @@ class _Connection:
     before saying anything else) or goes down. Through a relay, its own link to the coordinator
     says so too (``relay.UP``, ``relay.DOWN``: handshakes go on, dropped by the relay while it is down)."""
 
-    def __init__(self, route: Route, link: Link, sender: _Sender, hearing: Hearing, silence: Silence):
+    def __init__(self, route: Target, link: Link, sender: _Sender, hearing: Hearing, silence: Silence):
         self._route, self._link, self._sender, self._hearing, self._silence = route, link, sender, hearing, silence
         self.connected = False
 
@@ -223,7 +223,7 @@ def _dealer_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a coordinator that is not there
     sock.setsockopt(zmq.SNDHWM, 64)
     sock.setsockopt(zmq.RCVHWM, 64)
-    sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
 
@@ -267,7 +267,7 @@ class Client:
         self._silence = Silence(address, _SILENT_TURNS * max(heartbeat_s, _HANDSHAKE_EVERY_S), time.monotonic())
         self._hearing = Hearing(max(_LINK_DEAD_S, 4 * heartbeat_s))
         self._admission = Admission(address, _HELLO_AGAIN_S)
-        self.route = Route(address, relay, time.monotonic())
+        self.route = Target(address, relay, time.monotonic())
         self._connection = _Connection(self.route, self._link, self._sender, self._hearing, self._silence)
         self._throttle = Throttle(_WARN_EVERY_S)
         self._stopping = threading.Event()

@@ -1,8 +1,9 @@
 """The state of one rank's link to the coordinator, apart from the socket: which coordinator
 instance welcomed the connection (``Link``), whether one has for a while (``Silence``), whether it
 let this rank in (``Admission``), how long the connection has carried nothing back (``Hearing``),
-where it goes (the node's relay or the coordinator itself: ``Route``) and what closing it asks
-(``Closing``). The client thread asks; nothing here touches a socket.
+where it goes (the node's relay or the coordinator itself: ``Target``) and what closing it asks
+(``Closing``), and whether a rank's identity is one (``check_identity``). The client thread asks;
+nothing here touches a socket.
 """
 
 from __future__ import annotations
@@ -11,10 +12,23 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .errors import ProtocolError
-from .wire import Codec, Message, ReplayFilter
+from .protocol import IDENTITY_FIELDS, OPTIONAL_IDENTITY_FIELDS
+from .wire import Codec, Message, ReplayFilter, check_body
 
 if TYPE_CHECKING:
     from .outbox import Outbox
+
+
+def check_identity(identity: dict[str, Any]) -> None:
+    """ValueError unless ``identity`` is a valid ``hello`` body with exactly the identity fields."""
+    missing = [name for name in IDENTITY_FIELDS if name not in identity]
+    if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
+        raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
+                         f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); got {', '.join(sorted(identity))}")
+    try:
+        check_body("hello", identity)
+    except ProtocolError as exc:
+        raise ValueError(f"invalid identity: {exc}") from None
 
 
 class Link:
@@ -186,7 +200,7 @@ RELAY_LOST_S = 5.0
 """how long a rank whose relay was there waits for it to come back before it goes directly"""
 
 
-class Route:
+class Target:
     """Where a rank's connection goes: its node's relay (``relay.py``; None: none) until the relay is
     not there for a while or carries nothing back though asked, then the coordinator itself, for good."""
 

@@ -41,7 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import curve
 from ._throttle import Throttle
 from .errors import ProtocolError
-from .wire import MAX_BYTES
+from .wire import MAX_FRAME_BYTES
 
 log = logging.getLogger("nanguard.relay")
 
@@ -75,14 +75,15 @@ def local_address(*, uid: int, run_id: str | None, restart: int, node: str) -> s
     return f"ipc://{folder}/{name}"
 
 
-def _folder_of(address: str) -> str:
-    return os.path.dirname(address[len("ipc://"):])
+def _path(address: str) -> str:
+    """The socket file of an ``ipc://`` address."""
+    return address[len("ipc://"):]
 
 
 def ensure_folder(address: str) -> None:
     """The folder of an ``ipc://`` relay address, made if missing, and refused (OSError) unless
     this user owns it and nobody else can enter it."""
-    folder = _folder_of(address)
+    folder = os.path.dirname(_path(address))
     os.makedirs(folder, mode=0o700, exist_ok=True)
     info = os.stat(folder)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -147,9 +148,6 @@ class Relay:
         self._context = context or zmq.Context.instance()
         self._peers: OrderedDict[bytes, None] = OrderedDict()
         """local routes that spoke, oldest first (bounded): whom ``UP`` and ``DOWN`` go to"""
-        self.up = False
-        self.dropped = 0
-        """messages dropped because the other side's queue was full or the rank was gone"""
         self._closing = threading.Event()
         self._closing_s = 0.0
         self._throttle = Throttle(60.0)
@@ -202,7 +200,7 @@ class Relay:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.setsockopt(zmq.RCVHWM, self._hwm)
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_BYTES + 512)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         down.setsockopt(zmq.ROUTER_MANDATORY, 1)
         up.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a coordinator that is not there
         up.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -245,7 +243,7 @@ class Relay:
             down.close(linger=0)
             if self._failed is None:  # (ZeroMQ leaves the socket's file behind)
                 with contextlib.suppress(OSError):
-                    os.unlink(self.local[len("ipc://"):])
+                    os.unlink(_path(self.local))
 
     def _loop(self, down: zmq.Socket, up: zmq.Socket, monitor: zmq.Socket, local: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -283,8 +281,7 @@ class Relay:
                 send(frames)
             except zmq.ZMQError as exc:
                 if exc.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
-                    raise
-                self.dropped += 1
+                    raise  # (a full queue or a rank gone: dropped; a rank sends again what was not received)
 
     def _spoke(self, route: bytes) -> None:
         self._peers[route] = None
@@ -296,10 +293,8 @@ class Relay:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.up = True
                 self._tell(down, self._peers, UP)
             elif event == zmq.EVENT_DISCONNECTED:
-                self.up = False
                 self._tell(down, self._peers, DOWN)
             elif self._throttle.allow("curve")[0]:
                 log.warning("nanguard: this node's relay (local rank 0) failed its handshake with the coordinator at"

@@ -57,11 +57,14 @@ from typing import Any
 from .errors import ProtocolError
 from .events import event_values, shown
 from ._text import printable
-from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, OPTIONAL_IDENTITY_FIELDS, ORIGINS, ROLES, STOP_REASONS
+from .protocol import ACTIONS, IDENTITY_FIELDS, MAX_JOB_LENGTH, ORIGINS, ROLES, STOP_REASONS
 
 VERSION = 2
 MAX_BYTES = 64 * 1024
 """the largest payload of any message but ``status``"""
+MAX_FRAME_BYTES = 2 * MAX_BYTES
+"""the largest frame a socket of nanguard's reads (ZeroMQ's MAXMSGSIZE); a larger one closes its
+connection before nanguard sees it"""
 MAX_STATUS_BYTES = 32 * 1024 * 1024
 """the largest ``status`` payload: the one message that grows with the number of ranks"""
 MAX_EVENTS = 256
@@ -291,18 +294,6 @@ def check_body(type_: str, body: Any) -> dict[str, Any]:
         return schema(body)
     except ValueError as exc:
         raise ProtocolError(f"bad {type_} message body{exc}", reason="schema") from None
-
-
-def check_identity(identity: dict[str, Any]) -> None:
-    """ValueError unless ``identity`` is a valid ``hello`` body with exactly the identity fields."""
-    missing = [name for name in IDENTITY_FIELDS if name not in identity]
-    if missing or set(identity) - set(IDENTITY_FIELDS) - set(OPTIONAL_IDENTITY_FIELDS):
-        raise ValueError(f"identity needs exactly the fields {', '.join(IDENTITY_FIELDS)} (and may have "
-                         f"{', '.join(OPTIONAL_IDENTITY_FIELDS)}); got {', '.join(sorted(identity))}")
-    try:
-        check_body("hello", identity)
-    except ProtocolError as exc:
-        raise ValueError(f"invalid identity: {exc}") from None
 
 
 # --- envelope -------------------------------------------------------------------------------

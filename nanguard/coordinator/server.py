@@ -32,7 +32,7 @@ from ..relay import Route, describe, envelope, unwrap
 from .._version import __version__
 from ..errors import ProtocolError
 from ..protocol import check_curve_key, parse_address
-from ..wire import MAX_BYTES, Codec, Message
+from ..wire import MAX_FRAME_BYTES, Codec, Message
 from .clock import Instant, LoopClock, require_positive
 from .eventlog import EventLog, LogTrouble
 from .handlers import RANK_TYPES, Handlers
@@ -56,8 +56,6 @@ _TICK_S = 0.5
 """how often liveness is recomputed"""
 _BAD_LOG_S = 10.0
 """at most one log line per bad-message reason this often (a flood must not flood the log)"""
-MAX_FRAME_BYTES = 2 * MAX_BYTES
-"""the largest frame ZeroMQ reads; a larger one closes its connection before nanguard sees it"""
 
 
 class Coordinator:
