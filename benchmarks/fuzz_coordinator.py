@@ -5,7 +5,8 @@ A real ``python -m nanguard coordinator`` subprocess with ``NANGUARD_OPERATOR_TO
 second half, ``NANGUARD_TOKEN`` too, which the fuzzer then holds: a compromised rank); one real
 rank registered beside it (``nanguard.client.Client``). One DEALER socket sends ``--messages``
 messages of every hostile kind (``Hostile``: random bytes, random frame lists, truncated and
-oversized payloads, wrong types, huge numbers, deep nesting, wrong and missing MACs, replays of
+oversized payloads, wrong types, huge numbers, deep nesting, wrong and missing MACs, any of these
+inside a node relay's envelope and envelopes with a bad local route, replays of
 captured messages, other jobs, other coordinator instances, ranks outside the world size, rank
 messages from sessions that never said hello, stops without the operator token, types that do
 not travel to the coordinator), each with the reason the coordinator must count it under. Then
@@ -38,6 +39,7 @@ import zmq  # noqa: E402
 
 from nanguard.errors import ProtocolError  # noqa: E402
 from nanguard.protocol import BAD_MESSAGE_REASONS  # noqa: E402
+from nanguard.relay import RELAYED  # noqa: E402
 from nanguard.wire import MAX_BYTES, MAX_FRAME_BYTES, TYPES, Codec, ReplayFilter  # noqa: E402
 
 JOB = "fuzz-job"
@@ -89,6 +91,9 @@ class Hostile:
         ]
         if token is not None:
             kinds.append((self.no_mac, 4))
+        # (the oversized frame closes its connection in ZeroMQ: its count does not depend on an envelope)
+        self._wrappable = [kind for kind, weight in kinds for _ in range(weight) if kind != self.oversized]
+        kinds += [(self.relayed, 8), (self.bad_envelope, 2)]
         self._kinds = [kind for kind, weight in kinds for _ in range(weight)]
 
     def message(self) -> tuple[list[bytes], str]:
@@ -244,6 +249,19 @@ class Hostile:
                                        ("welcome", {"handshake_seq": 1}), ("refused", {"reason": "r"}),
                                        ("stop_accepted", {"command_id": "c", "existing": False})])
         return self._handled(self._codec().encode(type_, body, to=self.instance), "unexpected")
+
+    def relayed(self):
+        """Another kind's message in a node relay's envelope (``nanguard/relay.py``): counted as that
+        message is, whatever local route the envelope names."""
+        made = self.rng.choice(self._wrappable)()
+        if made is None:
+            return None
+        local = self.rng.randbytes(self.rng.randrange(1, 256))
+        return [RELAYED, local, *made[0]], made[1]
+
+    def bad_envelope(self):
+        local = self.rng.choice([b"", b"x" * 256])  # a local route is 1 to 255 bytes
+        return [RELAYED, local, *self._codec().encode("ack", ACK, to=self.instance)], "malformed"
 
     def extra_frame(self):
         return [*self._codec().encode("ack", ACK, to=self.instance), b"", b"x"][:3], "malformed"
