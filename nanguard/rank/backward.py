@@ -33,7 +33,7 @@ class BackwardWatch:
     """Writes into ``log``: ``buckets`` (DDP) and ``produced`` (the gradients' norms at the end of
     each backward pass). ``attached()`` says whether the guard is still installed."""
 
-    def __init__(self, log: StepLog, attached: Callable[[], bool]):
+    def __init__(self, log: StepLog, attached: Callable[[], bool], holds: Callable[[torch.Tensor], bool] | None = None):
         self.log = log
         self.attached = attached
         self.watches_buckets = False
@@ -56,9 +56,9 @@ class BackwardWatch:
         self._recent: deque[int] = deque(maxlen=RECENT_STEPS)
         self.armed = False
         """a forward output's node will say when the step's next backward pass starts"""
-        self.keep_grad_bytes = 0
-        """the largest gradient reaching a root forward's output that is kept for the microscope
-        (``StepLog.output_grads``; sentinel mode), in bytes: 0, none"""
+        self.holds = holds or (lambda tensor: False)
+        """whether the gradient that will reach a root forward's output ``tensor`` is kept for the microscope
+        (``StepLog.output_grads``), charged to the step's detail budget (``detector.Budget.holds``): never, by default"""
 
     def params(self) -> list[torch.Tensor]:
         """The parameters of the attached roots that are still alive."""
@@ -168,7 +168,7 @@ class BackwardWatch:
             if node is not None or (tensor is not None and tensor.requires_grad):
                 log, forward, timed = self.log, len(self.log.spans) - 1, not self.watches_buckets
                 log.unpropagated.add(forward)
-                keep = self.keep_grad_bytes >= tensor.numel() * tensor.element_size()
+                keep = self.holds(tensor)
                 slot = tensor.output_nr if node is not None else 0
 
                 def started(grad: object) -> None:
@@ -208,18 +208,16 @@ class BackwardWatch:
         if log.buckets and (not log.bucket_passes or log.bucket_passes[-1] < len(log.buckets)):
             log.bucket_passes.append(len(log.buckets))
         self.passes += 1
-        if self.passes < self.expected:
-            # another pass will follow before the step's decision, as in every recent step (accumulation):
-            # it measures what this one left summed with its own (a non-finite value stays non-finite),
-            # so this one's norms are put off; should none follow, ``settle`` measures them then
-            owners, norms = [p for p in self.params() if p.grad is not None], None
-        else:
-            owners, norms = gradient_norms(self.params())
+        owners = [p for ref in self._params if (p := ref()) is not None and p.grad is not None]
+        grads = [p.grad for p in owners]
+        # another pass will follow before the step's decision, as in every recent step (accumulation):
+        # it measures what this one left summed with its own (a non-finite value stays non-finite),
+        # so this one's norms are put off; should none follow, ``settle`` measures them then
+        norms = None if self.passes < self.expected else _norms(grads)
         # a pass that left no gradient is none (torch.autograd.grad's: the script assigns what it
         # returned to .grad itself, as functional training does; they are read as the step takes them)
-        self.log.produced = (owners, norms) if owners else None
-        grads = [p.grad for p in owners]
-        self.log.left = (owners, grads, _versions(grads))
+        log.produced = (owners, norms) if owners else None
+        log.left = (owners, grads, _versions(grads))
 
     def settle(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Before the step's decision: the last pass's norms where they were put off (the step had
@@ -277,16 +275,19 @@ def gradient_norms(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], 
     is non-finite when a gradient element is, or when it overflows on finite values (the diagnosis
     confirms exactly). No host sync."""
     owners = [param for param in params if param.grad is not None]
-    if not owners:
-        return [], []
-    grads = [param.grad for param in owners]
+    return owners, _norms([param.grad for param in owners])
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norms of ``grads`` (parameters' gradients) from one fused pass (no host sync)."""
+    if not grads:
+        return []
     # the common gradients, plain dense tensors, as they are: one check of each type, where
     # reading a tensor's layout and requires_grad costs ~0.3 us a gradient; a kind the fused
     # norm does not take (sparse) raises, and goes the general way
     if set(map(type, grads)) == {torch.Tensor}:
         try:  # (autograd off: a gradient made with create_graph has a graph, not followed)
-            return owners, list(gradless(foreach_norm, grads))
+            return list(gradless(foreach_norm, grads))
         except RuntimeError:
             pass
-    grads = [forensics.plain(g.coalesce().values() if g.is_sparse else g) for g in grads]
-    return owners, list(foreach_norm(grads))
+    return list(foreach_norm([forensics.plain(g.coalesce().values() if g.is_sparse else g) for g in grads]))

@@ -42,7 +42,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from .._torch import graph_task_id
 from .._tree import floating_tensors, named_floating_tensors
 from . import forensics
-from .backward import BackwardWatch, keep_summed
+from .backward import BackwardWatch, keep_summed, probe
 from .buffers import Buffers
 from .fed import Feeds
 from .modules import ddp_inner, plain_names
@@ -55,10 +55,38 @@ LET_GO_BYTES = 512 << 10
 read (about 17 us inside a small MLP's step here) costs more than the memory it gives back saves
 (glibc serves small blocks from its heap; a fresh mapping of 512 KiB is ~128 page faults), unless
 they hold more than half the detail budget, which the next micro-batch needs"""
+HELD_ON_CPU = 64 << 10
+"""the largest tensor a step holds by reference through its backward pass on a CPU (a root's output, the
+gradient that reached it): glibc serves one this small from its heap; a larger one kept alive past the point
+where the script lets it go keeps that memory from the backward pass and the next micro-batch, which map fresh
+pages instead (nanoGPT's 256 KiB logits held over 4 micro-batches: about 200 page faults a step, a seventh of
+its time). A caching allocator (CUDA's) reuses the memory it holds: there the detail budget alone bounds it"""
 _logger = logging.getLogger("nanguard")
 _transformed = forensics.transformed
 _graph_task = graph_task_id
 """-1 outside a backward pass"""
+
+
+class Budget:
+    """The step's detail budget (``detail_mb``): bytes of tensors held by reference until its decision."""
+
+    __slots__ = ("limit", "kept")
+
+    def __init__(self, limit: int):
+        self.limit, self.kept = limit, 0
+
+    def take(self, size: int) -> bool:
+        """Whether ``size`` bytes more fit; taken when they do."""
+        if size > self.limit - self.kept:
+            return False
+        self.kept += size
+        return True
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is held through the backward pass (taken when it is): on a CPU only up to
+        ``HELD_ON_CPU``."""
+        size = tensor.numel() * tensor.element_size()
+        return (size <= HELD_ON_CPU or not tensor.is_cpu) and self.take(size)
 
 
 class Detector:
@@ -78,9 +106,9 @@ class Detector:
         self.keep_batches = keep_batches
         self.catalog = Catalog()
         self.log = StepLog()
-        self._detail_bytes = detail_bytes
-        self._kept_bytes = self._judged = 0
-        """(judged: records of this step whose kept tensors were let go, or kept for good: ``let_go_clean``)"""
+        self.budget = Budget(detail_bytes)
+        self._judged = 0
+        """records of this step whose kept tensors were let go, or kept for good (``let_go_clean``)"""
         self._handles: list[Any] = []
         self._modules: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._root_slots: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
@@ -89,7 +117,7 @@ class Detector:
         """id -> (the tensor, its version when seen, its probe record if it was probed)"""
         self._forwards: dict[int, int] = {}
         self.steps_elsewhere = False  # (``new_step``)
-        self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles))
+        self.backward = BackwardWatch(self.log, attached=lambda: bool(self._handles), holds=verdict and self.budget.holds)
         self.depth = 0
         """root forwards in progress (a root called inside another's is not a micro-batch)"""
         self.aside = False
@@ -171,8 +199,7 @@ class Detector:
         # Keep the step's first tensors (up to a byte budget) so a bad one can be described
         # exactly after the backward pass has freed the activations.
         size = numel * local.element_size()
-        if size <= self._detail_bytes - self._kept_bytes:
-            self._kept_bytes += size
+        if self.budget.take(size):
             kept = local
         log = self.log
         version = version_of(tensor)
@@ -230,11 +257,11 @@ class Detector:
         if log.bucket_passes:
             keep_summed(self.backward)
         log.mark_backward(_graph_task() != -1)
-        micro_batch = self._forwards.get(root_slot, 0)
-        self._forwards[root_slot] = micro_batch + 1
+        micro_batch = self._forwards[root_slot] = self._forwards.get(root_slot, -1) + 1
         log.spans.append((len(log.records), root_slot, micro_batch))
         inputs = call_tensors(args, kwargs)
-        if self.keep_batches and (grad or self.outputs_decide()) and not any(map(_transformed, inputs)):
+        decides = self.outputs_decide()  # (no optimizer steps: the outputs are what is decided on)
+        if self.keep_batches and (grad or decides) and not any(map(_transformed, inputs)):
             # held for the capture and the microscope (not inside torch.func, whose tensors do not outlive
             # it; nor an evaluation amid training, which stops nothing: a long one would hold every batch): copies,
             # once a batch was found changed in place by its step's decision (a refilled buffer),
@@ -247,7 +274,7 @@ class Detector:
             if self.feeds.copying:
                 self.mark_seen(self._unchecked(inputs))
                 inputs = call_tensors(held, held_kwargs)
-        if not self.sentinel or not grad or self.outputs_decide():
+        if not self.sentinel or not grad or decides:
             # (a sentinel's training step needs none: the microscope's re-run probes the batch it re-runs)
             batch_probes(self, inputs, root_slot)
 
@@ -281,10 +308,10 @@ class Detector:
             return
         if self.sentinel and not self.probes.on:
             _sentinel_output(self, output)
-        self.backward.forward_done(output)
-        kept = self._kept_bytes
-        if (kept >= LET_GO_BYTES or 2 * kept > self._detail_bytes) and torch.is_grad_enabled():
+        kept = self.budget.kept
+        if (kept >= LET_GO_BYTES or 2 * kept > self.budget.limit) and torch.is_grad_enabled():
             let_go_clean(self)
+        self.backward.forward_done(output)  # (after the budget let go of: the gradient it keeps is charged to it)
         if self.on_root_end is not None:
             self.on_root_end()
 
@@ -320,7 +347,7 @@ class Detector:
             self.backward.step_decided()
         self.log.clear()
         self._seen.clear()
-        self._kept_bytes = self._judged = 0
+        self.budget.kept = self._judged = 0
 
 
 class Probes:
@@ -389,7 +416,7 @@ def let_go_clean(detector: Detector) -> None:
     for record in records[detector._judged:]:
         kept = record.kept
         if record.role in (OUT, IN) and type(kept) is not weakref.ref and kept is not None:
-            detector._kept_bytes -= kept.numel() * kept.element_size()
+            detector.budget.kept -= kept.numel() * kept.element_size()
             record.kept = None
     detector._judged = len(records)
 
@@ -402,8 +429,8 @@ def batch_probes(detector: Detector, inputs: list[torch.Tensor], root_slot: int)
 
 def _sentinel_output(detector: Detector, output: Any) -> None:
     """Tier 1 at a root forward's end: where the output is what is decided on (no optimizer steps,
-    autograd off), its probe; else references to it (within the detail budget), told finite or not
-    on a bad step only, for the microscope's verdict."""
+    autograd off), its probe; else each output held by reference (``Budget.holds``), or its extremes,
+    told finite or not on a bad step only, for the microscope's verdict."""
     log = detector.log
     if not log.spans:
         return
@@ -415,10 +442,14 @@ def _sentinel_output(detector: Detector, output: Any) -> None:
         for tensor in detector._unchecked(outputs):
             detector._add(tensor, OUT, log.spans[-1][1], field=fields.get(id(tensor)))
         return
-    size = sum(t.numel() * t.element_size() for t in outputs)
-    if size <= detector._detail_bytes - detector._kept_bytes:
-        detector._kept_bytes += size
-        log.outputs[len(log.spans) - 1] = [(t, version_of(t)) for t in outputs]
+    # each one held, or where holding it costs (``Budget.holds``), its extremes (exact, on the device: no sync)
+    log.outputs[len(log.spans) - 1] = [(t, version_of(t)) if detector.budget.holds(t) else
+                                       (gradless(_extremes, t), -1) for t in outputs]
+
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s minimum and maximum as one tensor of two: non-finite exactly when ``tensor`` is."""
+    return torch.stack(probe(tensor))
 
 
 def _dropped(log: StepLog) -> bool:

@@ -72,7 +72,6 @@ class Guard:
                                   keep_batches=saves_batches or verdict, sentinel=sentinel, verdict=verdict,
                                   on_settle=lambda apart: self._decider.settle_early(apart),
                                   outputs_decide=lambda: not self._clock.optimizer_seen)
-        self._detector.backward.keep_grad_bytes = int(settings.detail_mb * 2**20) if verdict else 0
         if reporter is None:
             wanted = settings.coordinator is not None and not settings.disable
             reporter = (connect(settings, self._identity, self._collectives)

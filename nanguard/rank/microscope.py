@@ -5,7 +5,8 @@ Tier 1 (the sentinel, ``Detector`` in sentinel mode) decides every step from wha
 depends on and keeps, without copying, what a re-run needs: each micro-batch's arguments (their
 in-place versions tell whether anything changed them since), the module it called, the RNG, autocast
 and grad mode as its forward began (``Context``), references to the root's outputs and to the
-gradient that reached them, within the detail budget. Once every rank agreed that the step is bad,
+gradient that reached them, within the detail budget (on a CPU only small ones: ``detector.HELD_ON_CPU``;
+of a larger output, its extremes). Once every rank agreed that the step is bad,
 and before anything is put back or the update is dropped, ``rerun`` fills the step's log with the
 probes of a re-run of each micro-batch, as the full mode would have made them the first time: the
 diagnosis reads that log as it reads a full-mode step's. The re-run draws from the RNG as the step
@@ -40,6 +41,9 @@ _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "
 _CARRIED = ("produced", "left", "unmeasured", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
 
 
+_UNKEPT = ("the backward pass of micro-batch(es) {} was not re-run: the gradient that reached the model's output was not"
+           " kept (past what is left of detail_mb; on a CPU, larger than what a step holds through its backward pass,"
+           " detector.HELD_ON_CPU), so whether it makes these gradients non-finite again is not known")
 _BACKWARD_CLEAN = ("its backward pass, re-run from the gradient that reached the model's outputs, made every gradient"
                    " finite: the non-finite ones came from a transient fault of the original pass, or from the script's"
                    " own use of the model's parts or parameters outside its forward, which no re-run repeats (the full"
@@ -80,6 +84,8 @@ class Look:
     output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     """the gradients that reached each forward's output in the original pass (``StepLog.output_grads``)"""
     gradient_in_bad: bool = False
+    unkept: list[int] = field(default_factory=list)
+    """the micro-batches whose backward pass ran but whose output's gradient was not kept: not re-run"""
     """a gradient that reached a root's output in the original pass was non-finite: it came from above
     the model (the loss), which no re-run of the model makes"""
 
@@ -100,7 +106,9 @@ class Look:
             return None
         if self.original_outputs_bad:
             return False  # the original forward made it; the same forward, re-run, did not
-        if own_fault and self.backward_bad is False and not self.gradient_in_bad:
+        if own_fault and self.unkept:
+            self.missed.append(_UNKEPT.format(", ".join(map(str, self.unkept))))
+        elif own_fault and self.backward_bad is False and not self.gradient_in_bad:
             # no proof of a transient: the gradients also hold what the script's own code outside the model's
             # forwards added (a part it called, a parameter it used), which no re-run of the model makes
             self.missed.append(_BACKWARD_CLEAN)
@@ -137,6 +145,8 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
     look.gradient_in_bad = any(not bool(torch.isfinite(g).all()) for _, g in output_grads.values())
+    look.unkept = [context.micro_batch for k, context in enumerate(log.contexts)
+                   if context.grad and k not in unpropagated and k not in output_grads]
     if log.parts_over:
         look.missed.append(f"{log.parts_over} calls of the model's parts by the script beyond the first {len(log.parts)}:"
                            " not held, so not re-run")

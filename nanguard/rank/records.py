@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
+from operator import methodcaller
 import weakref
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from ..incident.rng import cuda_in_use
 from .places import Slots
 
 _UNTRACKED = itertools.count(-1, -1)
+_clear = methodcaller("clear")
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -310,10 +313,11 @@ class StepLog:
     these moved (a buffer first written in this step, or changed between its micro-batches)"""
 
     def clear(self) -> None:
-        for part in (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed, self.buckets,
-                     self.bucket_groups, self.bucket_passes, self.summed_after, self.batches, self.unpropagated,
-                     self.contexts, self.parts, self.outputs, self.output_grads, self.handed):
-            part.clear()
+        # (one call over them all, where a loop of Python lines is most of what a clean step's reset costs)
+        deque(map(_clear, (self.values, self.evidence, self.records, self.spans, self.span_ends, self.recomputed,
+                           self.buckets, self.bucket_groups, self.bucket_passes, self.summed_after, self.batches,
+                           self.unpropagated, self.contexts, self.parts, self.outputs, self.output_grads,
+                           self.handed)), 0)
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.left = self.loss_at = None

@@ -514,3 +514,66 @@ def test_a_backward_nan_of_one_micro_batch_is_given_its_micro_batch(mode):
     event = err.event
     assert (event.step, event.kind, event.micro_batch, event.reproduced) == (2, "grad", 2, True), event
     assert "micro-batch 2 was the first whose own gradients it made non-finite" in event.message
+
+
+def _wide_transient_model(bad_call: int, width: int):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), FirstTimeOnly(bad_call), nn.ReLU(), nn.Linear(16, width))
+
+
+def _held_through_backward(model, optimizer):
+    """Whether a step's output is still alive after its backward pass, the script's references gone."""
+    with nanguard.init(model, optimizer):
+        _run(model, optimizer, None, 2)
+        output = model(torch.randn(5, 8))
+        alive = torch.utils.weak.WeakTensorKeyDictionary()  # (a weak reference that keeps nothing)
+        alive[output] = True
+        output.pow(2).mean().backward()
+        del output
+        held = len(alive) == 1
+        optimizer.step()
+        optimizer.zero_grad()
+        assert len(alive) == 0  # let go by the decision, whatever it held
+    return held
+
+
+def test_on_a_cpu_a_large_output_is_not_held_through_the_backward_pass():
+    # held until the decision, a large output keeps glibc from reusing its memory: the backward pass and the
+    # next micro-batch map fresh pages (page faults, a seventh of a nanoGPT step); a small one costs nothing
+    small, large = _wide_transient_model(0, 4), _wide_transient_model(0, 4096)  # 80 B and 80 KiB a row of 5
+    assert _held_through_backward(small, torch.optim.SGD(small.parameters(), lr=0.1))
+    assert not _held_through_backward(large, torch.optim.SGD(large.parameters(), lr=0.1))
+
+
+def test_a_transient_in_a_large_output_is_still_judged_from_its_extremes():
+    # the original output is not held on the CPU (80 KiB), but its extremes are: the re-run's clean output
+    # is a transient all the same
+    model = _wide_transient_model(bad_call=3, width=4096)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        err = _run(model, optimizer, guard, 5)
+    event = err.event
+    assert event.step == 2 and model[2].calls == 4
+    assert (event.reproduced, event.verdict) == (False, "transient")
+    assert event.layer == "" and event.module_type == "Sequential"
+
+
+def test_a_backward_nan_past_what_is_held_says_its_backward_was_not_re_run():
+    # a NaN made in the backward pass of a model whose output gradient (80 KiB) is not kept on a CPU: the
+    # microscope cannot re-run that backward pass, and says so rather than guess
+    model = _wide_transient_model(bad_call=0, width=4096)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def poison(module, args, out):
+        if module.poisoned and out.requires_grad:
+            out.register_hook(lambda grad: grad * float("nan"))
+
+    model[3].poisoned = False
+    model[3].register_forward_hook(poison)
+    with nanguard.init(model, optimizer):
+        assert _run(model, optimizer, None, 2) is None
+        model[3].poisoned = True
+        err = _run(model, optimizer, None, 1)
+    event = err.event
+    assert (event.step, event.kind, event.reproduced, event.verdict) == (2, "grad", None, None), event
+    assert "backward pass of micro-batch(es) 0 was not re-run" in event.message

@@ -189,6 +189,9 @@ def test_an_activation_that_makes_the_first_inf_is_named_not_the_layer_after_it(
     torch.manual_seed(0)
     model = Overflowing({"subclass": ScaledGELU(), "gelu-overflow": nn.GELU(),
                          "hardswish-overflow": nn.Hardswish()}[case])
+    if case != "subclass" and model.act(torch.full((8,), 2.5e38)).isfinite().all():
+        # (the oracle, this machine's own kernel: AVX2's GELU computes 0.5 * x * (1 + erf) and makes no Inf)
+        pytest.skip(f"{type(model.act).__name__}'s kernel on this CPU makes no Inf of 2.5e38: nothing to name")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with nanguard.init(model, optimizer) as guard:
         model(torch.randn(3, 4)).sum().backward()
