@@ -15,6 +15,8 @@
     policy.py    Policy: when the job stops (pure: no I/O, no clock)
     metrics.py   Metrics: the Prometheus series, and the HTTP endpoint that serves them (idle
                  connections time out, at most MAX_CONNECTIONS at once)
+    series.py    the series with a label per rank (or host and device): plain tables, and the rank
+                 table's rows, made into samples only while /metrics is read
     control.py   request(): one operator request and its reply (``nanguard status`` / ``stop``)
     main.py      ``nanguard coordinator``: arguments, signals, the ready line
 """

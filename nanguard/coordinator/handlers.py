@@ -18,6 +18,7 @@ or --insecure).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nanguard.coordinator")
 
-Reply = Callable[[bytes, Message, str, dict[str, Any]], None]
-"""answers ``message`` (from the connection ``routing id``) with a message of a type and body"""
+Reply = Callable[[bytes, Message, str, "dict[str, Any] | str"], None]
+"""answers ``message`` (from the connection ``routing id``) with a message of a type and body (a str:
+the body already serialised as JSON)"""
 
 RANK_TYPES = frozenset(("hello", "heartbeat", "events", "captured", "stopped", "ack", "bye"))
 _NOT_REPRODUCED_VERDICTS = frozenset(("device", "transient"))
@@ -93,8 +95,11 @@ class Handlers:
                 else:
                     self._rank_handlers[type_](state, message.body, at)
         elif type_ == "status_request":
-            self._reply(identity, message, "status", {"job": self.ranks.job, "ranks": self.ranks.status(),
-                                                      "stop": self.stops.status()})
+            # the body as text, the ranks written a row at a time (``RankTable.status_json``)
+            job, stop = (json.dumps(value, separators=(",", ":"), allow_nan=False)
+                         for value in (self.ranks.job, self.stops.status()))
+            body = self.ranks.status_json(f'{{"job":{job},"ranks":', f',"stop":{stop}}}')
+            self._reply(identity, message, "status", body)
         elif type_ == "stop_request":
             self._on_stop_request(message, identity, at)
         elif type_ == "clear_request":

@@ -229,11 +229,14 @@ class Coordinator:
     def _encode_to_rank(self, type_: str, body_json: str, to: str) -> list[bytes]:
         return self._codec.encode_json(type_, body_json, to=to, role="rank")
 
-    def _reply(self, identity: Route, message: Message, type_: str, body: dict[str, Any]) -> None:
+    def _reply(self, identity: Route, message: Message, type_: str, body: dict[str, Any] | str) -> None:
         """Answer ``message`` on its connection, addressed to its session, signed with the key that
-        verified it (no MAC where it had none)."""
+        verified it (no MAC where it had none). ``body``: a dict, or a str already serialised as JSON."""
         try:
-            frames = self._codec.encode(type_, body, to=message.sender, role=message.role or "rank")
+            if isinstance(body, str):
+                frames = self._codec.encode_json(type_, body, to=message.sender, role=message.role or "rank")
+            else:
+                frames = self._codec.encode(type_, body, to=message.sender, role=message.role or "rank")
         except ProtocolError as exc:
             log.error("cannot answer a %s message: %s", message.type, exc)
             return

@@ -7,6 +7,7 @@ closed and every socket closed with linger 0. Waits are polls under generous dea
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import select
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanguard.client import Client
@@ -219,6 +221,41 @@ def test_hello_and_heartbeat_show_in_status_and_metrics(coordinators, clients):
     assert coordinator.metric("nanguard_rank_step_time_seconds", rank="0") == 0.25
     assert coordinator.metric("nanguard_rank_last_seen_timestamp_seconds", rank="0") > time.time() - 60
     assert coordinator.metric("nanguard_job_stopped") == 0
+
+
+def test_a_scrape_as_prometheus_makes_it_shows_each_ranks_series(coordinators, clients):
+    """Prometheus asks for OpenMetrics, gzipped: every per-rank family once, typed, a sample per rank
+    with the values the ranks reported; the counters of one rank's events under that rank only."""
+    coordinator = coordinators("--warn-kinds", "forward")
+    ranks = [clients(coordinator.address, rank) for rank in range(3)]
+    for rank, client in enumerate(ranks):
+        client.update(step=10 + rank, step_time_s=0.5 + rank, grad_norm=2.0 * rank)
+    ranks[2].send_event(forward_event(2), "warn")
+
+    def scrape() -> dict:
+        asked = urllib.request.Request(coordinator.metrics_url, headers={
+            "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+            "Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(asked, timeout=10) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+            text = gzip.decompress(response.read()).decode()
+        assert text.endswith("# EOF\n")
+        return {family.name: family for family in openmetrics_families(text)}
+
+    def per_rank(families: dict, name: str) -> dict[str, float]:
+        return {s.labels["rank"]: s.value for s in families[name].samples}
+
+    families = wait_for(lambda: (f := scrape()) and per_rank(f, "nanguard_rank_step") == {"0": 10, "1": 11, "2": 12}
+                        and per_rank(f, "nanguard_nonfinite_events") and f, "every rank's step and the event")
+    assert per_rank(families, "nanguard_rank_step_time_seconds") == {"0": 0.5, "1": 1.5, "2": 2.5}
+    assert per_rank(families, "nanguard_rank_grad_norm") == {"0": 0, "1": 2, "2": 4}
+    seen = per_rank(families, "nanguard_rank_last_seen_timestamp_seconds")
+    assert sorted(seen) == ["0", "1", "2"] and all(time.time() - 60 < t <= time.time() + 1 for t in seen.values())
+    assert families["nanguard_rank_step"].type == "gauge"
+    assert families["nanguard_nonfinite_events"].type == "counter"
+    assert [(s.name, s.labels, s.value) for s in families["nanguard_nonfinite_events"].samples] == [
+        ("nanguard_nonfinite_events_total", {"kind": "forward", "rank": "2"}, 1)]
 
 
 def test_non_finite_event_stops_every_client_exactly_once(coordinators, clients):

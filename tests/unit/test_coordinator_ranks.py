@@ -1,5 +1,6 @@
 """The coordinator's rank table, driven by hand-made clock readings (no sleeping, no socket)."""
 
+import json
 import logging
 
 import pytest
@@ -62,9 +63,9 @@ def refused(reason, call, *args, **kwargs):
     return info.value
 
 
-def heartbeat(table, state, step, seconds, wall_shift_s=0.0):
+def heartbeat(table, state, step, seconds, wall_shift_s=0.0, dropped=0):
     body = {"rank": state.rank, "world_size": 4, "job": "job1", "host": "h", "pid": 100 + state.rank,
-            "step": step, "step_time_s": 0.5, "dropped": 0, "grad_norm": 1.0}
+            "step": step, "step_time_s": 0.5, "dropped": dropped, "grad_norm": 1.0}
     table.seen(table.speaker(state.rank, state.sender), state.routing_id, at(seconds, wall_shift_s))
     table.heartbeat(state, body, at(seconds, wall_shift_s))
 
@@ -126,6 +127,41 @@ def test_setting_the_wall_clock_marks_no_rank_dead_or_stalled(table, registry, w
     rows = {r["rank"]: r for r in table.status()}
     assert rows[1]["last_seen"] == WALL_0 + 5 + wall_shift_s and rows[0]["last_seen"] == WALL_0 + 1
     assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="1") == WALL_0 + 5 + wall_shift_s
+
+
+def test_the_per_rank_gauges_are_the_tables(table, registry):
+    zero = register(table, 0, 0)
+    assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="0") == WALL_0
+    assert value(registry, "nanguard_rank_step", rank="0") is None  # no heartbeat yet
+    heartbeat(table, zero, 41, 2)
+    assert value(registry, "nanguard_rank_last_seen_timestamp_seconds", rank="0") == WALL_0 + 2
+    assert (value(registry, "nanguard_rank_step", rank="0"), value(registry, "nanguard_rank_step_time_seconds",
+            rank="0"), value(registry, "nanguard_rank_grad_norm", rank="0")) == (41, 0.5, 1.0)
+
+
+def test_dropped_events_count_the_increase_of_each_processs_running_count(table, registry):
+    zero = register(table, 0, 0)
+    for seconds, cumulative in enumerate((0, 5, 5, 12), start=1):
+        heartbeat(table, zero, seconds, seconds, dropped=cumulative)
+    assert value(registry, "nanguard_events_dropped_total", rank="0") == 12
+    heartbeat(table, zero, 5, 5, dropped=2)  # a count below the last: a process counting from zero again
+    assert value(registry, "nanguard_events_dropped_total", rank="0") == 14
+    new = hello(table, 0, 6, sender="rank0-new-process").state  # its count starts from zero, even above the last
+    heartbeat(table, new, 1, 7, dropped=20)
+    assert value(registry, "nanguard_events_dropped_total", rank="0") == 34
+    assert [r["dropped"] for r in table.status()] == [20]
+
+
+def test_the_status_as_json_is_the_status(table):
+    assert json.loads(table.status_json('{"ranks":', "}")) == {"ranks": []}
+    heartbeat(table, register(table, 2, 0), 7, 3)
+    assert json.loads(table.status_json()) == table.status()
+    for rank in (0, 1):
+        heartbeat(table, register(table, rank, rank), 7, 3)
+    table.speaker(1, "rank1-session").grad_norm = float("inf")
+    assert json.loads(table.status_json()) == table.status()
+    assert json.loads(table.status_json('{"a":1,"ranks":', ',"b":2}')) == {"a": 1, "ranks": table.status(), "b": 2}
+    assert [r["rank"] for r in table.status()] == [0, 1, 2] and table.status()[1]["grad_norm"] == "inf"
 
 
 def test_finished_ranks_are_neither_alive_nor_dead_and_get_no_stop(table, registry, caplog):
