@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from nanguard.coordinator.eventlog import EventLog
+from nanguard.coordinator.eventlog import BATCH_BYTES, EventLog
 
 HOUR_S = 3600.0
 WAIT_S = 10.0
@@ -87,6 +87,20 @@ def test_synced_each_period_while_lines_are_written(opened):
     log.append(1.0, PAYLOAD)
     log.end_batch()
     assert fsyncs.called.wait(WAIT_S)
+
+
+def test_a_batch_is_written_as_it_reaches_batch_bytes(opened, path):
+    """A loop pass of large messages holds at most BATCH_BYTES of lines, not all of them."""
+    log = opened(sync_every_s=HOUR_S, fsync=Fsyncs())
+    big = PAYLOAD[:-1] + b',"pad":"' + b"x" * (BATCH_BYTES // 4) + b'"}'
+    for i in range(3):
+        log.append(float(i), big)
+    assert path.read_bytes() == b""  # under BATCH_BYTES: held for the end of the batch
+    log.append(3.0, big)
+    assert [json.loads(line)["received"] for line in path.read_bytes().splitlines()] == [0, 1, 2, 3]
+    log.append(4.0, PAYLOAD)
+    log.end_batch()
+    assert len(path.read_bytes().splitlines()) == 5
 
 
 def test_close_flushes_and_syncs_and_ends_the_sync_thread(opened, path):
