@@ -7,6 +7,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from nanguard.coordinator.handlers import Handlers
+from nanguard.coordinator.main import ZERO_COPY_RECV, daemon_context
 from nanguard.coordinator.server import Coordinator
 from nanguard.wire import Codec
 
@@ -117,3 +118,35 @@ def test_a_real_coordinator_counts_events_a_re_run_did_not_reproduce(started):
         assert [(s.labels, s.value) for s in samples] == [({"host": "gpu-node-7", "device": "cuda:1 GPU-5c1e"}, 2)]
     finally:
         sock.close(linger=0)
+
+
+def test_the_daemons_context_copies_what_it_receives_and_nothing_is_lost(started):
+    """``ZMQ_ZERO_COPY_RECV`` 0: messages small and larger than libzmq's 8 KiB read buffer arrive whole."""
+    context = daemon_context()
+    try:
+        assert (context.get(ZERO_COPY_RECV), context.get(zmq.IO_THREADS)) == (0, 2)
+        coordinator = started(context=context)
+        sock = dealer(coordinator.address)
+        codec = Codec("rank0@node:1:aa", None)
+        try:
+            instance = None
+            for _ in range(3):  # handshakes in one burst: several messages in one read
+                sock.send_multipart(codec.encode("handshake", {}, to=""))
+            for _ in range(3):
+                assert sock.poll(10_000)
+                instance = codec.decode(sock.recv_multipart()).sender
+            sock.send_multipart(codec.encode("hello", {
+                "rank": 0, "local_rank": 0, "world_size": 1, "host": "node", "pid": 1, "job": "j", "device": "cpu",
+                "version": "t"}, to=instance))
+            assert sock.poll(10_000) and codec.decode(sock.recv_multipart()).type == "received"
+            events = [{"kind": "spike", "rank": 0, "step": step, "layer": "x" * 1000} for step in range(40)]
+            sock.send_multipart(codec.encode("events", {"rank": 0, "job": "j", "events": events}, to=instance))
+            sock.send_multipart(codec.encode("status_request", {}, to=instance))
+            assert sock.poll(10_000)
+            assert codec.decode(sock.recv_multipart()).body["ranks"][0]["events"] == 40
+            assert coordinator.registry.get_sample_value("nanguard_bad_messages_total") == 0
+        finally:
+            sock.close(linger=0)
+            coordinator.close()
+    finally:
+        context.term()
