@@ -4,12 +4,14 @@ A real ``python -m nanguard coordinator`` subprocess; simulated ranks are DEALER
 spread over a few worker processes (each owns its sockets and its own ZeroMQ context), speaking
 the real wire protocol through ``nanguard.wire.Codec``.
 
-1. ingest: every simulated rank says hello, then ``--senders`` of them send ``events``
-   messages (compact, realistic forward events, as many as fit one message) as fast as the
-   coordinator takes them, for ``--seconds``; the rate is read from the coordinator's own
-   counter ``nanguard_nonfinite_events_total`` (every counted message is also in its log).
-   Senders are limited so that what waits in socket buffers when the window closes drains
-   in seconds (1,024 flooding connections would queue minutes of work in the kernel).
+1. ingest: every simulated rank says hello and sends one heartbeat (so /metrics has each rank's
+   step, last seen, step time and gradient norm, as in a job); /metrics is read three times as
+   Prometheus reads it (OpenMetrics, gzipped), timed until the whole answer is in; then
+   ``--senders`` of the ranks send ``events`` messages (compact, realistic forward events, as many
+   as fit one message) as fast as the coordinator takes them, for ``--seconds``; the rate is read
+   from the coordinator's own counter ``nanguard_nonfinite_events_total`` (every counted message
+   is also in its log). Senders are limited so that what waits in socket buffers when the window
+   closes drains in seconds (1,024 flooding connections would queue minutes of work in the kernel).
 2. fan-out: ``--rounds`` times, every simulated rank joins a new job, an operator
    ``stop_request`` is sent, and each rank notes when the stop reached it (then acks and says
    bye, which lets the next job start). Latency is measured from the coordinator's decision
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import multiprocessing
 import os
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -58,6 +62,9 @@ and /metrics answered"""
 SEND_TIMEOUT_MS = 60_000
 STEP_TIMEOUT_S = 300.0
 """the longest the benchmark waits for any one step (a worker's answer, the coordinator's state)"""
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+"""what Prometheus asks a target for"""
 TOKEN = "bench-token"
 OPERATOR_TOKEN = "bench-operator-token"
 
@@ -154,6 +161,11 @@ def _worker(ranks: list[int], address: str, token: str | None, per_node: int, co
                     ports.send(i, codec.encode("hello", {
                         "rank": rank, "local_rank": rank % 8, "world_size": args[1], "host": "bench",
                         "pid": os.getpid(), "job": job, "device": "cpu", "version": "bench"}, to=instance))
+                for i, (rank, codec) in enumerate(zip(ranks, codecs)):  # (each rank's gauges, as in a job)
+                    ports.send(i, codec.encode("heartbeat", {
+                        "rank": rank, "world_size": args[1], "job": job, "host": "bench", "pid": os.getpid(),
+                        "step": 1000 + rank % 7, "step_time_s": 0.25 + rank % 5 / 100, "dropped": 0,
+                        "grad_norm": 1.5 + rank % 3 / 10}, to=instance))
                 conn.send("ok")
             elif command == "ingest":
                 seconds, senders = args
@@ -287,7 +299,7 @@ class Coordinator:
         self.token = token
         self.log_path = log_path
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and select.select([self.proc.stdout], [], [], 1)[0]:
+        while (left := deadline - time.monotonic()) > 0 and select.select([self.proc.stdout], [], [], left)[0]:
             line = self.proc.stdout.readline().decode()
             if line.startswith("nanguard coordinator ready"):
                 fields = dict(part.split("=", 1) for part in line.split()[3:])
@@ -298,18 +310,29 @@ class Coordinator:
         self.close()
         raise SystemExit(f"coordinator did not start:\n{log_path.with_suffix('.stderr').read_text()}")
 
-    def samples(self) -> dict[tuple[str, tuple], float]:
-        """Every sample of /metrics: {(name, sorted label pairs): value}."""
-        from prometheus_client.parser import text_string_to_metric_families
+    def scrape(self, names: tuple[str, ...] = ()) -> tuple[float, str]:
+        """/metrics as Prometheus asks for it (OpenMetrics, gzipped; only ``names`` if given): the
+        seconds until the whole answer is in, and its text."""
+        query = "?" + urllib.parse.urlencode([("name[]", name) for name in names]) if names else ""
+        asked = urllib.request.Request(self.metrics_url + query,
+                                       headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
+        started = time.monotonic()
+        with urllib.request.urlopen(asked, timeout=30) as response:
+            body = response.read()
+            seconds = time.monotonic() - started
+            if response.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+        return seconds, body.decode()
 
-        with urllib.request.urlopen(self.metrics_url, timeout=30) as response:
-            text = response.read().decode()
+    def samples(self, names: tuple[str, ...] = ()) -> dict[tuple[str, tuple], float]:
+        """The samples of /metrics (of ``names`` only, if given): {(name, sorted label pairs): value}."""
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+                for family in text_string_to_metric_families(self.scrape(names)[1]) for s in family.samples}
 
     def events_counted(self) -> float:
-        return sum(value for (name, _), value in self.samples().items()
-                   if name == "nanguard_nonfinite_events_total")
+        return sum(self.samples(("nanguard_nonfinite_events_total",)).values())
 
     def status(self, timeout_s: float = STEP_TIMEOUT_S) -> dict:
         """The coordinator's status; asked again while it is too busy to answer within 30 s."""
@@ -405,8 +428,9 @@ def _wait_until(coordinator: Coordinator, what: str, done, timeout_s: float = ST
 
 
 def _wait_registered(coordinator: Coordinator, job: str, count: int) -> None:
-    _wait_until(coordinator, f"{count} ranks of job {job}",
-                lambda status: status["job"] == job and len(status["ranks"]) == count)
+    """Every rank's hello and first heartbeat are in."""
+    _wait_until(coordinator, f"{count} ranks of job {job}", lambda status: status["job"] == job and len(
+        status["ranks"]) == count and all(r["step"] is not None for r in status["ranks"]))
 
 
 def _wait_finished(coordinator: Coordinator) -> None:
@@ -418,11 +442,8 @@ def _ingest_phase(coordinator: Coordinator, workers: Workers, ranks: int, sender
     workers.send("hello", "ingest", ranks)
     workers.answers("saying hello")
     _wait_registered(coordinator, "ingest", ranks)
-    scrapes = []
-    for _ in range(3):  # /metrics of every rank's series, as Prometheus reads it
-        started = time.monotonic()
-        size = len(coordinator.samples())
-        scrapes.append(time.monotonic() - started)
+    scrapes = [coordinator.scrape() for _ in range(3)]  # every rank's series, as Prometheus reads them
+    size = sum(1 for line in scrapes[-1][1].splitlines() if not line.startswith("#"))
     workers.send("ingest", seconds, max(1, senders // len(workers.pipes)))
     warmup = min(2.0, seconds / 4)
     time.sleep(warmup)
@@ -442,7 +463,8 @@ def _ingest_phase(coordinator: Coordinator, workers: Workers, ranks: int, sender
         "events_sent_total": sent,
         "log_mb_per_s": (log_end - log_start) / (end_time - start_time) / 2**20,
         "coordinator_cpu_share": (end_stats["cpu_s"] - start_stats["cpu_s"]) / (end_time - start_time),
-        "metrics_scrape_max_s": max(scrapes), "metrics_samples": size,
+        "metrics_scrape_max_s": max(seconds for seconds, _ in scrapes), "metrics_samples": size,
+        "metrics_kb": len(scrapes[-1][1]) / 1000,
     }
 
 
@@ -536,7 +558,8 @@ def _ingest_rows(ingest: dict | None) -> list[str]:
              f">= {TARGETS['ingest_events_per_s']:,}", ingest["events_per_s"] >= TARGETS["ingest_events_per_s"]),
         _row("  log written, MB/s", f"{ingest['log_mb_per_s']:.1f}"),
         _row("  coordinator CPU while ingesting, cores", f"{ingest['coordinator_cpu_share']:.2f}"),
-        _row(f"/metrics scrape, s ({ingest['metrics_samples']:,} samples)", f"{ingest['metrics_scrape_max_s']:.2f}",
+        _row(f"/metrics scrape, s ({ingest['metrics_samples']:,} samples, {ingest.get('metrics_kb', 0):,.0f} kB)",
+             f"{ingest['metrics_scrape_max_s']:.2f}",
              f"<= {ISSUE_TARGETS['metrics_scrape_s']:g}",
              ingest["metrics_scrape_max_s"] <= ISSUE_TARGETS["metrics_scrape_s"]),
     ]
