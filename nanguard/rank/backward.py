@@ -153,17 +153,18 @@ class BackwardWatch:
         later setting replaced), which cannot tell a rank's own NaN from another's."""
         return self.watches_buckets and bool(self.log.buckets)
 
-    def forward_done(self, output: object) -> None:
+    def forward_done(self, output: object, floating: list[torch.Tensor] | None = None) -> None:
         """A root forward returned ``output`` (or, where the script calls a model's modules itself,
         the step's first module did): its backward pass will be watched (where DDP's buckets are
-        not, it says when the pass starts), and whether it runs at all (``StepLog.unpropagated``)."""
+        not, it says when the pass starts), and whether it runs at all (``StepLog.unpropagated``).
+        ``floating``: its floating tensors, where the caller has them."""
         if torch.is_grad_enabled():
             # the gradient reaching the model's output comes first in its backward pass
             if type(output) is torch.Tensor:
                 tensor, at = output, 0
             else:
-                at, tensor = next(((k, t) for k, t in enumerate(floating_tensors(output)) if t.requires_grad),
-                                  (0, None))
+                at, tensor = next(((k, t) for k, t in enumerate(
+                    floating_tensors(output) if floating is None else floating) if t.requires_grad), (0, None))
             node = tensor.grad_fn if tensor is not None else None
             if node is not None or (tensor is not None and tensor.requires_grad):
                 log, forward, timed = self.log, len(self.log.spans) - 1, not self.watches_buckets

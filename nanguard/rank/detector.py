@@ -306,12 +306,13 @@ class Detector:
             log.span_ends[len(log.spans) - 1] = len(log.records)
         if output is None:
             return
+        floating = floating_tensors(output)
         if self.sentinel and not self.probes.on:
-            _sentinel_output(self, output)
+            _sentinel_output(self, output, floating)
         kept = self.budget.kept
         if (kept >= LET_GO_BYTES or 2 * kept > self.budget.limit) and torch.is_grad_enabled():
             let_go_clean(self)
-        self.backward.forward_done(output)  # (after the budget let go of: the gradient it keeps is charged to it)
+        self.backward.forward_done(output, floating)  # (after the budget let go of: it charges what it keeps)
         if self.on_root_end is not None:
             self.on_root_end()
 
@@ -427,14 +428,13 @@ def batch_probes(detector: Detector, inputs: list[torch.Tensor], root_slot: int)
         detector._add(tensor, BATCH, root_slot, lazy=True)
 
 
-def _sentinel_output(detector: Detector, output: Any) -> None:
+def _sentinel_output(detector: Detector, output: Any, outputs: list[torch.Tensor]) -> None:
     """Tier 1 at a root forward's end: where the output is what is decided on (no optimizer steps,
     autograd off), its probe; else each output held by reference (``Budget.holds``), or its extremes,
-    told finite or not on a bad step only, for the microscope's verdict."""
+    told finite or not on a bad step only, for the microscope's verdict. ``outputs``: its floating tensors."""
     log = detector.log
     if not log.spans:
         return
-    outputs = floating_tensors(output)
     if any(map(_transformed, outputs)):
         return  # inside torch.func: nothing to read, nor to keep past the transform
     if not torch.is_grad_enabled() or detector.outputs_decide():
