@@ -175,8 +175,8 @@ def daemon_context() -> zmq.Context:
     by default a message borrows a piece of that buffer (~18 KiB, one per read of a connection), and
     the whole buffer stays while any message in it waits to be read; with 2,048 connections each with
     a few messages queued, that was ~35 MB more at the peak, left behind as free heap once read. A
-    copy is a few hundred bytes a message. (The manual marks the option draft; libzmq 4.3 takes it in
-    every build, and one that refuses it keeps its default.)"""
+    copy is a few hundred bytes a message. (The manual marks the option draft; pyzmq's libzmq 4.3.5,
+    built without the draft API, takes it, and a libzmq that refuses it keeps its default.)"""
     context = zmq.Context(io_threads=2)
     try:
         context.set(ZERO_COPY_RECV, 0)

@@ -248,7 +248,7 @@ class _Handler(MetricsHandler):
         headers = [("Content-Type", content_type)]
         accepted = (self.headers.get("Accept-Encoding") or "").split(",")
         if any(part.split(";")[0].strip().lower() == "gzip" for part in accepted):
-            # level 1: a sixteenth of the text at 16,384 ranks, in a fifteenth of the default level's time
+            # level 1: 3.7 MB of text at 16,384 ranks in 265 kB and 10 ms (the default, 9: 218 kB, 84 ms)
             output = gzip.compress(output, compresslevel=1)
             headers.append(("Content-Encoding", "gzip"))
         self.send_response(200)
