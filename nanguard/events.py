@@ -244,8 +244,10 @@ def _plan(names: tuple[str, ...], types: tuple[type, ...]) -> tuple[tuple[str, i
     plan = []
     for name, kind in zip(names, types):
         check = _CHECKS.get(name)
-        valid, settled = _TYPE_RULES.get(check, ((object,), None))
-        if not issubclass(kind, valid) or kind is bool and bool not in valid:
+        if check is None:
+            continue  # (a field no rule checks, such as the flags has_nan and has_inf: any value, as is)
+        valid, settled = _TYPE_RULES[check]
+        if not issubclass(kind, valid) or kind is bool and bool not in valid:  # (a bool is an int)
             return None
         if settled is not None and kind not in settled:
             plan.append((name, check))

@@ -5,6 +5,8 @@ import re
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanguard import Event, ProtocolError
 from nanguard.events import RecentEvents
@@ -128,3 +130,44 @@ def test_from_dict_refuses_bad_re_run_fields(field, value, fragment):
 @pytest.mark.parametrize("verdict", [*VERDICTS_IN_JOB, None])
 def test_every_verdict_of_the_vocabulary_is_taken(verdict):
     assert Event.from_dict({**BASE, "verdict": verdict, "reproduced": verdict != "reproducible"}).verdict == verdict
+
+
+def test_an_event_with_its_flags_is_checked_by_its_plan():
+    # the flags (has_nan, input_nonfinite, ...) are taken as they come: an event holding them still gets the
+    # fast check planned from its fields' types (it took the slow path, a coordinator's ingest at half speed)
+    from nanguard.events import _plan
+
+    for compact in (False, True):
+        data = json.loads(json.dumps(make_event(has_inf=False, reproduced=True).to_dict(compact=compact)))
+        assert _plan(tuple(data), tuple(map(type, data.values()))) is not None, data
+
+
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                        | st.sampled_from(["nan", "inf", "-inf", "x", "", "forward", "reproducible"]),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                    max_size=2), max_leaves=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(sorted({f.name for f in dataclasses.fields(Event)}) + ["bogus"]),
+                               _JSONISH, max_size=4),
+       dropped=st.sets(st.sampled_from(["kind", "rank", "step", "layer", "has_nan", "shape"]), max_size=2))
+def test_the_planned_check_says_what_the_full_check_says(changes, dropped):
+    from nanguard.events import _checked_values, event_values
+
+    data = json.loads(json.dumps(make_event().to_dict()))
+    data.update(changes)
+    for name in dropped:
+        data.pop(name, None)
+
+    def outcome(check):
+        try:
+            return "ok", check(data)
+        except ProtocolError as exc:
+            return "refused", str(exc)
+
+    fast, slow = outcome(event_values), outcome(_checked_values)
+    assert fast[0] == slow[0], (data, fast, slow)
+    if fast[0] == "ok":
+        assert fast[1].keys() == slow[1].keys()
+        assert all(fast[1][k] == slow[1][k] or fast[1][k] != fast[1][k] for k in fast[1]), (fast, slow)
