@@ -569,8 +569,9 @@ def _ingest_rows(ingest: dict | None) -> list[str]:
     ]
 
 
-def _fanout_rows(fanout: dict) -> list[str]:
+def _fanout_rows(fanout: dict, ranks: int) -> list[str]:
     rounds = fanout["rounds"]
+    every = ranks <= 1024  # (above, the job knows once one rank does: its flag is all-reduced every step)
     if not rounds:
         return [_row("stop fan-out", "not measured")]
     return [
@@ -580,7 +581,8 @@ def _fanout_rows(fanout: dict) -> list[str]:
              fanout["first_rank_p99_ms"] <= ISSUE_TARGETS["first_rank_p99_ms"]),
         _row(f"stop decided -> all ranks, p50 ms ({rounds})", f"{fanout['last_rank_p50_ms']:.1f}"),
         _row(f"stop decided -> all ranks, p99 ms ({rounds})", f"{fanout['last_rank_p99_ms']:.1f}",
-             f"<= {TARGETS['fanout_p99_ms']:g}", fanout["last_rank_p99_ms"] <= TARGETS["fanout_p99_ms"]),
+             f"<= {TARGETS['fanout_p99_ms']:g}" if every else "",
+             fanout["last_rank_p99_ms"] <= TARGETS["fanout_p99_ms"] if every else None),
         _row("  coordinator's part (to the last send), p50/p99",
              "?" if fanout["coordinator_send_p50_ms"] is None else
              f"{fanout['coordinator_send_p50_ms']:.1f} / {fanout['coordinator_send_p99_ms']:.1f}"),
@@ -601,7 +603,7 @@ def report(result: dict) -> str:
         f"{result['load_average_before']:.2f} before / {result['load_average_after']:.2f} after",
         _row("measure", "value", "target"),
         *_ingest_rows(result["ingest"]),
-        *_fanout_rows(result["fanout"]),
+        *_fanout_rows(result["fanout"], result["ranks"]),
     ]
     if "peak_rss_mb" in coordinator:
         rss_target = _rss_target(result["ranks"])
@@ -615,11 +617,16 @@ def report(result: dict) -> str:
 
 
 def missed(result: dict) -> bool:
-    """Whether the run did not finish or missed a target."""
+    """Whether the run did not finish or missed a target: up to 1,024 ranks, every rank has the stop within
+    50 ms p99; above, issue 31's: the first rank within 100 ms p99 (a rank that has it stops the whole job at
+    its next step) and /metrics within 1 s."""
     ingest, fanout, coordinator = result["ingest"], result["fanout"], result["coordinator"]
-    return bool(result["unfinished"] or ingest is None or not fanout["rounds"]
-                or ingest["events_per_s"] < TARGETS["ingest_events_per_s"]
-                or fanout["last_rank_p99_ms"] > TARGETS["fanout_p99_ms"]
+    if result["unfinished"] or ingest is None or not fanout["rounds"]:
+        return True
+    late = (fanout["last_rank_p99_ms"] > TARGETS["fanout_p99_ms"] if result["ranks"] <= 1024 else
+            fanout["first_rank_p99_ms"] > ISSUE_TARGETS["first_rank_p99_ms"]
+            or ingest["metrics_scrape_max_s"] > ISSUE_TARGETS["metrics_scrape_s"])
+    return bool(late or ingest["events_per_s"] < TARGETS["ingest_events_per_s"]
                 or coordinator.get("peak_rss_mb", 0) > _rss_target(result["ranks"]))
 
 
