@@ -5,7 +5,11 @@ vector; and the joins (``stack``, ``concat``) of tensors that may sit on several
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
+
+_DTYPE = attrgetter("dtype")
 
 
 class _Places:
@@ -101,8 +105,8 @@ class Slots:
         buffer's pairs come together (``in_order`` puts the read values back in order). Where the
         pairs sit in one buffer and ``tail`` is of its dtype, ``tail`` is written after them there:
         the step reads a slice of that buffer, and makes no tensor to do so."""
-        if not values:
-            return stack(list(tail)) if tail else None
+        if not values:  # (a sentinel's clean step: the gradients' norms alone, into places of their own)
+            return self._into_places(list(tail)) if tail else None
         if self.used != len(values):
             self._order = []  # stacked as they are: in probe order already
             return stack([*values, *tail])
@@ -118,6 +122,22 @@ class Slots:
             except RuntimeError:  # on another device (pipeline stages)
                 pass
         return concat([places.span(0, used), stack(list(tail))]) if tail else places.span(0, used)
+
+    def _into_places(self, tail: list[torch.Tensor]) -> torch.Tensor:
+        """0-d ``tail`` as one vector, written into the places of their dtype and device where they
+        share one (no tensor made), else stacked."""
+        first = tail[0]
+        key = (first.dtype, first.device)
+        places = self._places.get(key)
+        if places is None:
+            places = self._places[key] = _Places(first)
+        if places.used or len(set(map(_DTYPE, tail))) > 1:
+            return stack(tail)
+        places.room(len(tail), first)
+        try:
+            return torch.stack(tail, out=places.span(0, len(tail)))
+        except RuntimeError:  # on several devices (pipeline stages)
+            return stack(tail)
 
     def read_if_free(self, values: list[torch.Tensor]) -> list[float] | None:
         """``values`` (this step's) read on the host, in any order, where that syncs nothing: every

@@ -360,3 +360,16 @@ def test_a_buffer_given_new_storage_between_steps_is_kept_as_it_is_then(shape):
         assert torch.equal(model.queue, kept) and torch.equal(model.at, count)
         step(model, optimizer)
         assert not torch.equal(model.queue, kept) and guard.skipped_steps == 1
+
+
+def test_the_norms_alone_are_written_into_places_of_their_own():
+    # a sentinel's clean step reads the gradients' norms alone: into places made once, not a tensor a step
+    from nanguard.rank.places import Slots
+
+    slots = Slots()
+    norms = [torch.tensor(float(k)) for k in range(5)]
+    first, second = slots.vector([], norms), slots.vector([], [n + 1 for n in norms])
+    assert second.data_ptr() == first.data_ptr() and second.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    mixed = slots.vector([], [torch.tensor(1.0), torch.tensor(2.0, dtype=torch.float64)])  # (dtypes: stacked)
+    assert mixed.tolist() == [1.0, 2.0]
+    assert slots.vector([], []) is None
