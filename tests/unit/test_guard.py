@@ -126,7 +126,21 @@ def test_nan_only_in_the_loss_without_check(mlp):
     with pytest.raises(nanguard.NonFiniteError) as info:
         optimizer.step()
     event = info.value.event
-    assert event.kind == "loss" and "entering the model's backward" in event.message
+    # the gradient that reached the model's output (kept: 5 x 4) was non-finite: the loss made it, for certain
+    assert event.kind == "loss" and "output in micro-batch(es) 0 was already non-finite" in event.message
+
+
+def test_nan_only_in_the_loss_with_no_detail_kept_says_what_it_cannot_tell_apart():
+    # detail_mb=0: the gradient that reached the output is not kept, so the loss and the last module's own
+    # backward are both left open, and the report says so rather than pick one
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer, detail_mb=0):
+        torch.sqrt(model(torch.randn(5, 8)) - 1e3).mean().backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            optimizer.step()
+    event = info.value.event
+    assert event.kind == "loss" and "either the gradient entering the model's backward pass" in event.message
 
 
 class NanBackward(torch.autograd.Function):

@@ -577,3 +577,29 @@ def test_a_backward_nan_past_what_is_held_says_its_backward_was_not_re_run():
     event = err.event
     assert (event.step, event.kind, event.reproduced, event.verdict) == (2, "grad", None, None), event
     assert "backward pass of micro-batch(es) 0 was not re-run" in event.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_the_loss_makes_in_one_micro_batch_is_told_from_the_gradient_kept_at_the_output(mode):
+    # the loss of micro-batch 1 of 3 has a log(0): the model's forward and backward are clean, and the
+    # gradient that reached its output (kept: 80 B) was non-finite already, which names the loss for certain
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.init(model, optimizer, mode=mode):
+        for step in range(3):
+            for k in range(3):
+                p = torch.softmax(model(torch.randn(5, 8, generator=gen)), -1)
+                if step == 2 and k == 1:
+                    p = p * 0
+                (-torch.log(p[:, 0]).mean() / 3).backward()
+            try:
+                optimizer.step()
+            except nanguard.NonFiniteError as err:
+                event = err.event
+                break
+            optimizer.zero_grad()
+    assert (event.step, event.kind, event.layer, event.micro_batch) == (2, "loss", "loss", 1), event
+    assert "output in micro-batch(es) 1 was already non-finite" in event.message
+    assert "not by the model's backward pass" in event.message and "either" not in event.message
+    assert (event.reproduced, event.verdict) == (None, None)  # (the loss is the script's: nothing re-ran it)
