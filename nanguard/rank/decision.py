@@ -180,7 +180,7 @@ _RERAN = ("not reproduced: the microscope re-ran the step from memory on this de
 _TRANSIENT = _RERAN + "; nothing in the model is blamed for it"
 _TRANSIENT_SEEN = _RERAN + "; this step's probes saw it born here"
 _UNSEEN = "whether it is reproducible is not known: {}"
-_FROM_THE_LOSS = ("the forward was finite, and the gradient that reached the model's output in micro-batch(es) {}"
+_FROM_THE_LOSS = ("the forward was finite, and the gradient that reached the model's output{}"
                   " was already non-finite there (kept for the microscope): it was made by the loss or by code"
                   " between the model and the loss, not by the model's backward pass, whose first parameter"
                   " gradient it made non-finite is {} (guard.check(loss) shows the loss's value)")
@@ -208,9 +208,10 @@ def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Lo
         return replace(finding, position=None)
     if event.kind == "loss" and look.gradient_in_bad and event.extra.get("bad_params"):
         # what the diagnosis could only suspect, the gradient kept at the model's output shows
-        event.micro_batch = look.gradient_in_bad[0]
-        event.message = _FROM_THE_LOSS.format(", ".join(map(str, look.gradient_in_bad)),
-                                              event.extra["bad_params"][0])
+        known = [k for k in look.gradient_in_bad if k is not None]
+        event.micro_batch = known[0] if known else event.micro_batch
+        where = f" in micro-batch(es) {', '.join(map(str, known))}" if known else ""
+        event.message = _FROM_THE_LOSS.format(where, event.extra["bad_params"][0])
     if reproduced is None and look.missed:
         event.message = "; ".join(filter(None, (event.message, _UNSEEN.format("; ".join(look.missed)))))
     if reproduced and event.kind == "grad" and event.micro_batch is None and look.backward_first is not None:

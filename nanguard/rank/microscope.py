@@ -83,8 +83,8 @@ class Look:
     """a re-run of a call the script made of a model's part (``StepLog.parts``) made a non-finite output"""
     output_grads: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     """the gradients that reached each forward's output in the original pass (``StepLog.output_grads``)"""
-    gradient_in_bad: list[int] = field(default_factory=list)
-    """the micro-batches whose gradient that reached the root's output in the original pass was
+    gradient_in_bad: list[int | None] = field(default_factory=list)
+    """the micro-batches (None: a forward that is none's) whose gradient that reached the root's output in the original pass was
     non-finite: it came from above the model (the loss), which no re-run of the model makes"""
     unkept: list[int] = field(default_factory=list)
     """the micro-batches whose backward pass ran but whose output's gradient was not kept: not re-run"""
@@ -144,7 +144,8 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
             checks[index >= first].append((record.held(), record.slot, _place(record.held(), outputs)))
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
-    look.gradient_in_bad = [k for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]
+    look.gradient_in_bad = [log.contexts[k].micro_batch if 0 <= k < len(log.contexts) else None
+                            for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]
     look.unkept = [context.micro_batch for k, context in enumerate(log.contexts)
                    if context.grad and k not in unpropagated and k not in output_grads]
     if log.parts_over:
