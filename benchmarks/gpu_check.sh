@@ -11,18 +11,18 @@
 #   2. the same with 4 micro-batches per optimizer step (still one sync a step), no bad steps
 #   3. the unit tests that take a CUDA path where CUDA is there (capture, replay on another device)
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}/gpu_check.txt"
 status=0
-extra="${GPU_CHECK_ARGS:-}"  # a dry run on a CPU: GPU_CHECK_ARGS="--device cpu --tiny"
+read -ra extra <<< "${GPU_CHECK_ARGS:-}"  # a dry run on a CPU: GPU_CHECK_ARGS="--device cpu --tiny"
 {
     nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader || true
     python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
     echo "== gpu_sync.py (124M, both modes, bad steps)"
-    timeout 240 python3 benchmarks/gpu_sync.py --rounds 6 --steps 8 $extra || status=1
+    timeout 240 python3 benchmarks/gpu_sync.py --rounds 6 --steps 8 "${extra[@]}" || status=1
     echo "== gpu_sync.py --accum 4"
-    timeout 150 python3 benchmarks/gpu_sync.py --accum 4 --rounds 4 --steps 4 --no-fault $extra || status=1
+    timeout 150 python3 benchmarks/gpu_sync.py --accum 4 --rounds 4 --steps 4 --no-fault "${extra[@]}" || status=1
     echo "== CUDA paths of the unit tests"
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_capture.py tests/unit/test_replay_device.py || status=1
     echo "== exit $status"

@@ -20,7 +20,7 @@ module); the weights untouched by either stop, the device named with its UUID.
 
 Exits 1 when a claim does not hold (a sync count, a bad step not stopped or misnamed), 0 otherwise;
 the cost is printed, not judged. CI has no GPU: tests/unit/test_gpu_sync_script.py runs the tiny
-form on the CPU so that the script works the first time a GPU is lent.
+form on the CPU, and benchmarks/gpu_check.sh's dry run, so that both work the first time a GPU is lent.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ beside plain with gradient accumulation, and the four bad steps, each judged by 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,3 +36,22 @@ def test_a_mode_it_does_not_know_is_refused_with_what_it_takes():
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--modes", "sentinel,fast"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--modes takes sentinel, full" in result.stderr
+
+
+def test_the_prepared_gpu_check_runs_through_on_a_cpu(tmp_path):
+    # gpu_check.sh's dry run: both runs of gpu_sync.py (tiny, on the CPU) and the unit tests with a CUDA
+    # path, with this interpreter as the python3 it calls; its log lands in $OUT, as the device returns it
+    env = dict(os.environ, GPU_CHECK_ARGS="--device cpu --tiny", OUT=str(tmp_path),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                            timeout=900, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "gpu_check.txt").read_text()
+    assert log.count("as claimed") == 4 and "NOT" not in log and "4 micro-batch(es) a step" in log, log
+    assert re.search(r"^\d+ passed", log, re.MULTILINE) and log.rstrip().endswith("== exit 0"), log
+
+
+def test_the_prepared_gpu_check_passes_shellcheck(tool):
+    result = subprocess.run([tool("shellcheck"), str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
