@@ -50,6 +50,19 @@ class _Places:
             self.grow(max(size, 2 * len(self.views)), like)
 
 
+def _written_after(places: _Places, used: int, tail: list[torch.Tensor]) -> torch.Tensor | None:
+    """0-d ``tail`` written into ``places`` after its first ``used`` values, and all of them as one
+    slice (no tensor made); None where they cannot be: another dtype, or another device (pipeline stages)."""
+    if set(map(_DTYPE, tail)) != {places.key[0]}:  # (no Python call per tensor: this runs on every step)
+        return None
+    places.room(used + len(tail), tail[0])
+    try:
+        torch.stack(tail, out=places.span(used, used + len(tail)))
+    except RuntimeError:
+        return None
+    return places.span(0, used + len(tail))
+
+
 class Slots:
     """Places made in advance for one step's (minimum, maximum) pairs of one kind (outputs, or
     inputs as evidence): a probe writes into two 0-d views of a buffer made once, so it creates
@@ -114,13 +127,9 @@ class Slots:
             return concat([p.span(0, p.used) for p in self._places.values() if p.used] + (
                 [stack(list(tail))] if tail else []))
         places, used = self._last, self.used
-        if tail and all(t.dtype is places.key[0] for t in tail):
-            places.room(used + len(tail), tail[0])
-            try:
-                torch.stack(tail, out=places.span(used, used + len(tail)))
-                return places.span(0, used + len(tail))
-            except RuntimeError:  # on another device (pipeline stages)
-                pass
+        joined = _written_after(places, used, tail) if tail else None
+        if joined is not None:
+            return joined
         return concat([places.span(0, used), stack(list(tail))]) if tail else places.span(0, used)
 
     def _into_places(self, tail: list[torch.Tensor]) -> torch.Tensor:
@@ -131,13 +140,8 @@ class Slots:
         places = self._places.get(key)
         if places is None:
             places = self._places[key] = _Places(first)
-        if places.used or len(set(map(_DTYPE, tail))) > 1:
-            return stack(tail)
-        places.room(len(tail), first)
-        try:
-            return torch.stack(tail, out=places.span(0, len(tail)))
-        except RuntimeError:  # on several devices (pipeline stages)
-            return stack(tail)
+        joined = None if places.used else _written_after(places, 0, tail)
+        return joined if joined is not None else stack(tail)
 
     def read_if_free(self, values: list[torch.Tensor]) -> list[float] | None:
         """``values`` (this step's) read on the host, in any order, where that syncs nothing: every
