@@ -205,6 +205,8 @@ def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Lo
         event.input_nonfinite = event.output_nonfinite = None
         if look.original_outputs_bad:  # the forward made it: the model's output, no module of it
             event.kind, event.layer, event.module_type = "forward", "", look.root_type
+            if look.bad_output is not None:
+                _as_output(event, *look.bad_output)
         return replace(finding, position=None)
     if event.kind == "loss" and look.gradient_in_bad and event.extra.get("bad_params"):
         # what the diagnosis could only suspect, the gradient kept at the model's output shows
@@ -219,6 +221,27 @@ def _with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Lo
         event.micro_batch = look.backward_first
         event.message = "; ".join(filter(None, (event.message, _BACKWARD_FIRST.format(look.backward_first))))
     return finding
+
+
+_TENSOR_FIELDS = ("output_field", "shape", "dtype", "numel", "bad_count", "nan_count", "inf_count", "finite_min",
+                  "finite_max", "finite_mean", "first_index", "first_value")
+
+
+def _as_output(event: Event, micro_batch: int | None, tensor: torch.Tensor, whole: bool) -> None:
+    """``event`` made a report of the model's non-finite output ``tensor`` of ``micro_batch`` (``whole``:
+    the output itself, described exactly; else its two extremes, which tell NaN and Inf apart, no more),
+    where it told of the value the decision first found bad (a gradient, the loss)."""
+    for name in _TENSOR_FIELDS:
+        setattr(event, name, None)
+    event.micro_batch = micro_batch
+    if whole:
+        fields = forensics.describe(tensor)
+    else:
+        low, high = tensor.tolist()
+        fields = {"dtype": str(tensor.dtype).removeprefix("torch."), "has_nan": math.isnan(low) or math.isnan(high),
+                  "has_inf": math.isinf(low) or math.isinf(high)}
+    for name, value in fields.items():
+        setattr(event, name, value)
 
 
 def escalate(settings: Settings, detector: Detector) -> None:

@@ -63,6 +63,9 @@ class Look:
     forward come before them, the others after"""
     original_outputs_bad: bool | None = None
     """the original forwards' root outputs held a non-finite value (None: not kept, or changed since)"""
+    bad_output: tuple[int | None, torch.Tensor, bool] | None = None
+    """the original forwards' first non-finite kept output: (its micro-batch, the output itself or, where
+    only they were kept, its extremes, whether it is the output itself)"""
     backward_bad: bool | None = None
     """the backward re-run from the kept output gradients made a non-finite parameter gradient (None: not run)"""
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -144,6 +147,10 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
             checks[index >= first].append((record.held(), record.slot, _place(record.held(), outputs)))
     look = Look(original_outputs_bad=True if probed_bad else _outputs_bad(outputs, len(log.spans)),
                 output_grads=output_grads, kept_outputs=outputs)
+    if look.original_outputs_bad and (first := _first_bad(outputs)) is not None:
+        forward, tensor, version = first
+        look.bad_output = (log.contexts[forward].micro_batch if forward < len(log.contexts) else None,
+                           tensor, version >= 0)
     look.gradient_in_bad = [log.contexts[k].micro_batch if 0 <= k < len(log.contexts) else None
                             for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]
     look.unkept = [context.micro_batch for k, context in enumerate(log.contexts)
@@ -420,16 +427,20 @@ def _place(tensor: torch.Tensor | None, outputs: dict[int, list[tuple[torch.Tens
 def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: int) -> bool | None:
     """Whether the original forwards' kept outputs hold a non-finite value, exactly; None when one
     forward's are not kept or were changed in place since."""
-    if len(outputs) < forwards:
+    if len(outputs) < forwards or any(version >= 0 and version_of(tensor) != version
+                                      for held in outputs.values() for tensor, version in held):
         return None
-    bad = False
-    for held in outputs.values():
+    return _first_bad(outputs) is not None
+
+
+def _first_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, torch.Tensor, int] | None:
+    """The first non-finite kept output, in the order of the forwards: (forward, tensor, version)."""
+    for forward, held in sorted(outputs.items()):
         for tensor, version in held:
-            if version >= 0 and version_of(tensor) != version:
-                return None
             with torch.no_grad():
-                bad = bad or not bool(torch.isfinite(tensor).all())
-    return bad
+                if not bool(torch.isfinite(tensor).all()):
+                    return forward, tensor, version
+    return None
 
 
 def floating_buffers(detector: Detector) -> list[torch.Tensor]:

@@ -109,6 +109,21 @@ def test_a_transient_is_not_reproduced_and_blames_no_module():
     assert "born in this module" not in event.message
 
 
+@pytest.mark.parametrize("micro_batches, bad_call", [(1, 3), (3, 8)])
+def test_a_transient_reported_on_the_models_output_describes_that_output(micro_batches, bad_call):
+    # the decision first found a gradient (or the loss) bad; the report is of the model's output, so its
+    # shape, counts and micro-batch are the output's, not those of the tensor the decision read
+    model = _transient_model(bad_call=bad_call)  # call 8 of 3 a step: step 2's micro-batch 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.init(model, optimizer) as guard:
+        err = _run(model, optimizer, guard, 5, micro_batches)
+    event = err.event
+    assert (event.step, event.verdict, event.layer) == (2, "transient", "")
+    assert event.micro_batch == (bad_call - 1) % micro_batches
+    assert (event.shape, event.numel, event.bad_count, event.nan_count) == ((5, 4), 20, 20, 20)
+    assert event.has_nan and event.first_index == (0, 0) and event.finite_min is None
+
+
 def test_full_mode_names_the_producer_of_a_transient_and_gives_the_verdict_too():
     model = _transient_model(bad_call=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -556,6 +571,9 @@ def test_a_transient_in_a_large_output_is_still_judged_from_its_extremes():
     assert event.step == 2 and model[2].calls == 4
     assert (event.reproduced, event.verdict) == (False, "transient")
     assert event.layer == "" and event.module_type == "Sequential"
+    # only its extremes were kept: NaN is told, its shape and counts are not known (not a gradient's)
+    assert event.has_nan and (event.shape, event.numel, event.bad_count) == (None, None, None)
+    assert event.micro_batch == 0
 
 
 def test_a_backward_nan_past_what_is_held_says_its_backward_was_not_re_run():
