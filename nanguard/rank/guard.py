@@ -14,6 +14,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -114,7 +115,8 @@ class Guard:
             self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._discover))
         self._watch = OptimizerWatch(optimizers, self._detector.catalog.param_names, self._on_step,
                                      self._detector.backward.watches, everything=model is None,
-                                     on_other=self._on_other_step)
+                                     on_other=self._on_other_step, elsewhere=partial(REGISTRY.all_elsewhere, self),
+                                     generation=REGISTRY.generation)
         self._handles += self._watch.install()  # (kept: the process-wide hook holds the watch weakly)
 
     # ------------------------------------------------------------------ public surface
@@ -326,9 +328,21 @@ class GuardRegistry:
         self._owners: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
         self._modules: dict[int, list[weakref.ref]] = {}
         self._global: Guard | None = None
+        self._generation = 0
+        """moves at every claim and release"""
 
     def owner(self, module: nn.Module) -> Guard | None:
         return self._owners.get(module)
+
+    def generation(self) -> int:
+        return self._generation
+
+    def all_elsewhere(self, guard: Guard, params: list[torch.Tensor]) -> bool:
+        """Whether every one of ``params`` belongs to a model another open guard holds."""
+        with self._lock:
+            others = {id(g): g for g in self._owners.values() if g is not guard and not g.closed}.values()
+        return bool(params) and bool(others) and all(
+            any(g._detector.backward.watches(param) for g in others) for param in params)
 
     def claim(self, guard: Guard, root: nn.Module) -> None:
         with self._lock:
@@ -341,6 +355,7 @@ class GuardRegistry:
             for module in root.modules():
                 self._owners[module] = guard
                 self._modules.setdefault(id(guard), []).append(weakref.ref(module))
+            self._generation += 1
 
     def check_process_free(self) -> None:
         with self._lock:
@@ -366,6 +381,7 @@ class GuardRegistry:
                     del self._owners[module]
             if self._global is guard:
                 self._global = None
+            self._generation += 1
 
 
 REGISTRY = GuardRegistry()

@@ -2,7 +2,8 @@
 own), and any other whose step would update the guarded models' parameters (one re-created after
 ``init``, one made later for a second phase of training, a bare ``init()``'s), found by one
 process-wide step pre-hook. An optimizer of another model (another guard's, or no guard's) is left
-alone: deciding there would read gradients this guard cannot name."""
+alone: deciding there would read gradients this guard cannot name; a bare ``init()``'s guard, which
+decides at every other optimizer, leaves one that steps only another open guard's models to that guard."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ class OptimizerWatch:
 
     def __init__(self, given: Sequence[torch.optim.Optimizer], param_names: dict[int, str], on_step: StepHook,
                  guarded: Callable[[torch.Tensor], bool], everything: bool = False,
-                 on_other: Callable[[torch.optim.Optimizer], None] | None = None):
+                 on_other: Callable[[torch.optim.Optimizer], None] | None = None,
+                 elsewhere: Callable[[list[torch.Tensor]], bool] = lambda params: False,
+                 generation: Callable[[], int] = lambda: 0):
         self._given: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(given)
         self._inner: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet(
             local_optimizer(o) for o in given if local_optimizer(o) is not o)
@@ -40,6 +43,10 @@ class OptimizerWatch:
         self._guarded = guarded
         self._on_step = on_step
         self._everything = everything
+        self._elsewhere = elsewhere
+        """whether parameters are all another open guard's (``everything``: that guard decides at their steps)"""
+        self._generation = generation
+        """counts the guards' claims and releases: what ``elsewhere`` said is judged again when it moves"""
         self._on_other = on_other if not given and not everything else None
         """told of the steps of other models' optimizers, by a guard with none of its own (a
         teacher's beside its student): its events carry the training step they happened in"""
@@ -64,7 +71,7 @@ class OptimizerWatch:
     def _any(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if optimizer in self._given or optimizer in self._inner:
             return None  # its own hook decides, or the one it steps inside did
-        if self._everything or self._steps_guarded(optimizer):
+        if self._steps_guarded(optimizer):
             if local_optimizer(optimizer) is not optimizer:
                 self._inner.add(local_optimizer(optimizer))
             return self._on_step(optimizer, args, kwargs)
@@ -73,12 +80,20 @@ class OptimizerWatch:
         return None
 
     def _steps_guarded(self, optimizer: torch.optim.Optimizer) -> bool:
-        basis = (len(self._names), len(optimizer.param_groups))
+        """Whether this guard decides at ``optimizer``'s steps (judged once, and again when the guarded
+        parameters, its groups or the guards' claims change)."""
+        basis = (len(self._names), len(optimizer.param_groups), self._generation())
         verdict = self._verdicts.get(optimizer)
         if verdict is not None and verdict[1:] == basis:
             return verdict[0]
-        is_guarded = self._guarded
-        guarded = any(is_guarded(param) for group in optimizer.param_groups for param in group["params"])
+        stepped = [param for group in optimizer.param_groups for param in group["params"]]
+        if self._everything:
+            guarded = not self._elsewhere(stepped)
+            if not guarded:
+                log.info("nanguard: the process-wide guard leaves the steps of %s, which updates only another"
+                         " guard's model, to that guard", type(optimizer).__name__)
+        else:
+            guarded = any(map(self._guarded, stepped))
         self._verdicts[optimizer] = (guarded, *basis)
         if guarded and self._announce:
             log.warning("nanguard: an optimizer not given to nanguard.init (%s) steps the guarded model's"

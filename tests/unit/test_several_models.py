@@ -636,3 +636,32 @@ def test_a_teachers_nan_under_no_grad_is_told_beside_the_loss_it_made(guard_mode
     evaluations = [e for e in guard.events if e.step == 1]
     assert evaluations and all("autograd off" in e.message for e in evaluations)
     assert all(torch.isfinite(p).all() for p in student.parameters())
+
+
+@pytest.mark.parametrize("bare_first", [False, True])
+def test_a_bare_init_beside_a_guard_of_one_model_leaves_that_models_steps_to_it(bare_first):
+    # a script guards its model, and a library (or a second call) guards the rest of the process with a
+    # bare init(): each step is decided by the guard of the model it updates, which names what it saw
+    torch.manual_seed(0)
+    mine, other = (nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(2))
+    opt_mine, opt_other = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (mine, other))
+    guards = {}
+    for which in ("bare", "mine") if bare_first else ("mine", "bare"):
+        guards[which] = nanguard.init(on_nan="skip") if which == "bare" else nanguard.init(mine, opt_mine, on_nan="skip")
+    try:
+        for step in range(4):
+            for model, optimizer, bad in ((mine, opt_mine, step == 1), (other, opt_other, step == 2)):
+                x = torch.randn(5, 8)
+                if bad:
+                    x[0, 0] = math.nan
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        mine_events = [(e.step, e.kind, e.layer) for e in guards["mine"].events]
+        bare_events = [(e.step, e.kind, e.layer) for e in guards["bare"].events]
+    finally:
+        for guard in guards.values():
+            guard.close()
+    assert mine_events == [(1, "forward", "0")]
+    assert bare_events == [(2, "forward", "0")]  # (its first model's names are the model's own)
+    assert all(torch.isfinite(p).all() for m in (mine, other) for p in m.parameters())
