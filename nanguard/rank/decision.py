@@ -56,8 +56,9 @@ _UNUSED = ("in a value that reached none of what the update depends on: the grad
            " tensors given to check and the buffers the step wrote are all finite (an intended -inf, a masked"
            " score), so the step was not stopped: training goes on")
 _DROPPED = ("in a step the script dropped after its backward pass (its gradients were zeroed without an"
-            " optimizer step: its own check of the loss or the gradients, say), so no update applied it:"
-            " training goes on")
+            " optimizer step: its own check of the loss or the gradients, or a GradScaler's skip, say), so no"
+            " update applied it: training goes on (a GradScaler given to nanguard.init(scaler=...) has such"
+            " steps counted and decided)")
 
 
 def read_step(probes: list[torch.Tensor], norms: list[torch.Tensor], buckets: list[torch.Tensor],
