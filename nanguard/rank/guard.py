@@ -475,8 +475,11 @@ def _checked_arguments(model: Any, optimizer: Any, on_stop: Any) -> list[torch.o
             isinstance(o, torch.optim.Optimizer) for o in optimizer) and optimizer:
         optimizers = list(optimizer)
     else:
+        wrong = next((f"a {type(optimizer).__name__} whose item {k} is {type(o).__name__}" for k, o in enumerate(
+            optimizer) if not isinstance(o, torch.optim.Optimizer)), "an empty " + type(optimizer).__name__) if \
+            isinstance(optimizer, (list, tuple)) else type(optimizer).__name__
         raise TypeError(f"nanguard.init: optimizer must be a torch.optim.Optimizer (or a list of"
-                        f" them, or None); got {type(optimizer).__name__}")
+                        f" them, or None to find the optimizers that step the model); got {wrong}")
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     if on_stop is not None and not callable(on_stop):
         raise TypeError(f"nanguard.init: on_stop must be callable, got {type(on_stop).__name__}")
@@ -484,4 +487,11 @@ def _checked_arguments(model: Any, optimizer: Any, on_stop: Any) -> list[torch.o
         raise NanguardError(
             f"nanguard.init: the model ({type(model).__name__}) has no parameters, so there is"
             " nothing to protect; pass the module you train (or call nanguard.init() with no model)")
+    if model is not None:
+        mine = {id(p) for p in model.parameters()}
+        for other in optimizers:
+            if not any(id(p) in mine for group in other.param_groups for p in group["params"]):
+                _log.warning("nanguard.init: the optimizer %s steps none of the parameters of the model given"
+                            " (%s): its gradients are still checked at its steps, but named by shape only;"
+                            " pass the model it trains", type(other).__name__, type(model).__name__)
     return optimizers

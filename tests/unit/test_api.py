@@ -28,6 +28,9 @@ def test_public_names_are_locked():
 @pytest.mark.parametrize("args, kwargs, error, fragment", [
     (("model",), {}, TypeError, "torch.nn.Module"),
     ((nn.Linear(2, 2), "sgd"), {}, TypeError, "optimizer"),
+    ((nn.Linear(2, 2), []), {}, TypeError, "got an empty list"),
+    ((nn.Linear(2, 2), (torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), "adam")), {}, TypeError,
+     "got a tuple whose item 1 is str"),
     ((nn.Linear(2, 2),), {"on_stop": 3}, TypeError, "on_stop"),
     ((nn.ReLU(),), {}, nanguard.NanguardError, "no parameters"),
     ((nn.Linear(2, 2),), {"on_nan": "panic"}, nanguard.ConfigError, "on_nan"),
@@ -36,6 +39,16 @@ def test_public_names_are_locked():
 def test_bad_arguments_get_clear_errors(args, kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
         nanguard.init(*args, **kwargs)
+
+
+def test_an_optimizer_of_another_model_is_said_at_init(caplog):
+    model, elsewhere = nn.Linear(2, 2), nn.Linear(2, 2)
+    with nanguard.init(model, torch.optim.SGD(model.parameters(), lr=1)):
+        pass
+    assert "steps none of the parameters" not in caplog.text
+    with nanguard.init(model, torch.optim.SGD(elsewhere.parameters(), lr=1)):
+        pass
+    assert "the optimizer SGD steps none of the parameters of the model given (Linear)" in caplog.text
 
 
 def hook_count(model):
