@@ -55,8 +55,8 @@ def first_bad(catalog: Catalog, log: StepLog, reading: Reading, make: MakeEvent,
     extremes = log.extremes(reading.probes, reading.evidence)
     first = _first_bad_output(log, extremes)
     if first is not None:
+        first, fields = _past_masks(catalog, log, extremes, first)
         record = log.records[first]
-        fields = forward_fields(catalog, log, extremes, first)
         info = catalog.slots[record.slot] if record.role != CHECK else None
         module = info.module() if info is not None else None
         own = module is not None and any(_sharded(p) for p in module.parameters()) and bool(bad_state(log, info))
@@ -143,6 +143,42 @@ def _first_bad_output(log: StepLog, extremes: list[tuple[float, float] | None]) 
     """The record of the step's first non-finite module output or checked tensor, or None."""
     return next((index for index, (record, pair) in enumerate(zip(log.records, extremes))
                  if record.role in (OUT, CHECK) and not finite_extremes(pair)), None)
+
+
+_MASKED_BEFORE = ("{} made -inf before it in this step, and nothing else non-finite (as an intended mask does,"
+                  " which the loss may take finite): not taken for the cause of a value made here, by a"
+                  " module whose own state is non-finite")
+
+
+_MASK_OR_NOT = ("its only non-finite values are -inf, as an intended mask makes: if it masks on purpose, what"
+                " made the step bad after it may have another cause (the loss, its target, code outside the model's"
+                " modules), which guard.check on the loss and its inputs tells")
+
+
+def _past_masks(catalog: Catalog, log: StepLog, extremes: list[tuple[float, float] | None],
+                first: int) -> tuple[int, dict[str, Any]]:
+    """(record, its event fields) of the step's first bad forward value: ``first``, unless its only
+    non-finite values are -inf (an intended mask, say: a policy's illegal actions) and a later module
+    whose own parameters or buffers are non-finite made a NaN or +inf, which is then what the step is
+    stopped for."""
+    fields = forward_fields(catalog, log, extremes, first)
+    if log.records[first].role != OUT or not _minus_inf_only(extremes[first]):
+        return first, fields
+    for index in range(first + 1, len(log.records)):
+        if log.records[index].role == OUT and not finite_extremes(extremes[index]) and not _minus_inf_only(
+                extremes[index]):
+            if bad_state(log, catalog.slots[log.records[index].slot]):  # a fault of its own, whatever it took
+                later = forward_fields(catalog, log, extremes, index)
+                mask = catalog.slots[log.records[first].slot].name or "the model"
+                return index, later | {"message": "; ".join(filter(None, (
+                    later.get("message"), _MASKED_BEFORE.format(mask))))}
+    fields["message"] = "; ".join(filter(None, (fields.get("message"), _MASK_OR_NOT)))
+    return first, fields
+
+
+def _minus_inf_only(pair: tuple[float, float] | None) -> bool:
+    """Whether a probe's non-finite values are -inf alone (its minimum -inf, its maximum below +inf)."""
+    return pair is not None and pair[0] == -math.inf and not math.isnan(pair[1]) and pair[1] != math.inf
 
 
 def buffer_fields(catalog: Catalog, log: StepLog, written: list[tuple[str, torch.Tensor]],

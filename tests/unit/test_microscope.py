@@ -4,6 +4,7 @@ re-runs only a bad step from memory under the full probes, and says whether the 
 The oracle is the fault each test plants (where, which micro-batch, on which execution), and the
 same test run in full mode, which probes every module the first time round."""
 
+import math
 import sys
 
 import pytest
@@ -172,6 +173,57 @@ def test_an_intended_minus_inf_output_never_stops_a_step(mode):
     else:
         assert [(e.kind, e.step, e.micro_batch) for e in events] == [("forward", k, 0) for k in range(3)]
         assert all("reached none of what the update depends on" in e.message for e in events)
+
+
+class IllegalActions(nn.Module):
+    def forward(self, logits):
+        return logits.masked_fill(torch.tensor([False, False, True, False]), float("-inf"))
+
+
+class MaskedActorCritic(nn.Module):
+    """A policy that masks its illegal actions with -inf (on purpose, in a module of its own), beside a value head."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.policy = nn.Linear(16, 4)
+        self.mask = IllegalActions()
+        self.value = nn.Linear(16, 1)
+
+    def forward(self, obs):
+        h = torch.relu(self.trunk(obs))
+        return torch.log_softmax(self.mask(self.policy(h)), -1), self.value(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fault", ["value head", "target"])
+def test_an_intended_minus_inf_is_not_blamed_for_a_fault_elsewhere_in_its_step(mode, fault):
+    # the masked logits are the step's first non-finite values every step; a NaN weight of the value head is what
+    # stops step 2, and is named; a NaN the script's target brings in names no module for sure
+    torch.manual_seed(0)
+    model = MaskedActorCritic()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.init(model, optimizer, mode=mode) as guard, pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            obs, target = torch.randn(5, 8), torch.randn(5, 1)
+            if step == 2 and fault == "value head":
+                with torch.no_grad():
+                    model.value.weight[0, 3] = math.nan
+            if step == 2 and fault == "target":
+                target[1, 0] = math.nan
+            logp, value = model(obs)
+            loss = -logp[:, 0].mean() + nn.functional.mse_loss(value, target)
+            guard.check(loss, "loss")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert event.step == 2
+    if fault == "value head":
+        assert (event.kind, event.layer) == ("forward", "value") and "weight" in event.message
+        assert "made -inf before it" in event.message
+    else:
+        assert "as an intended mask makes" in event.message and "guard.check" in event.message
 
 
 class DrawsItsFault(nn.Module):
