@@ -44,6 +44,9 @@ _CARRIED = ("produced", "left", "unmeasured", "started", "trained", "buffers_at_
 _UNKEPT = ("the backward pass of micro-batch(es) {} was not re-run: the gradient that reached the model's output was not"
            " kept (past what is left of detail_mb; on a CPU, larger than what a step holds through its backward pass,"
            " detector.HELD_ON_CPU), so whether it makes these gradients non-finite again is not known")
+_REFILLED = ("micro-batch(es) {} were fed memory that a later micro-batch's input shares (one buffer refilled between"
+             " them, through .data or a numpy view, which no in-place version tells), so what they were fed may be"
+             " gone: a clean re-run of them proves no transient")
 _BACKWARD_CLEAN = ("its backward pass, re-run from the gradient that reached the model's outputs, made every gradient"
                    " finite: the non-finite ones came from a transient fault of the original pass, or from the script's"
                    " own use of the model's parts or parameters outside its forward, which no re-run repeats (the full"
@@ -91,6 +94,9 @@ class Look:
     non-finite: it came from above the model (the loss), which no re-run of the model makes"""
     unkept: list[int] = field(default_factory=list)
     """the micro-batches whose backward pass ran but whose output's gradient was not kept: not re-run"""
+    refilled: list[int] = field(default_factory=list)
+    """the micro-batches whose inputs, held by reference, share memory with a later micro-batch's: a buffer refilled between them where no in-place version tells it (written through
+    ``.data``, or a numpy view), so what they were fed may be gone"""
 
     def forward_probes(self, probes: list[float]) -> list[float]:
         """The probes (as read from the log) that the re-run's forwards made."""
@@ -106,6 +112,9 @@ class Look:
         if forward_bad or self.bad or self.parts_bad or self.backward_bad:
             return True
         if self.missed or not self.ran:
+            return None
+        if self.original_outputs_bad and self.refilled:
+            self.missed.append(_REFILLED.format(", ".join(map(str, self.refilled))))
             return None
         if self.original_outputs_bad:
             return False  # the original forward made it; the same forward, re-run, did not
@@ -151,6 +160,7 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
         forward, tensor, version = first
         look.bad_output = (log.contexts[forward].micro_batch if forward < len(log.contexts) else None,
                            tensor, version >= 0)
+    look.refilled = [log.contexts[k].micro_batch if k < len(log.contexts) else k for k in _refilled(log.batches)]
     look.gradient_in_bad = [log.contexts[k].micro_batch if 0 <= k < len(log.contexts) else None
                             for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]
     look.unkept = [context.micro_batch for k, context in enumerate(log.contexts)
@@ -431,6 +441,23 @@ def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: i
                                       for held in outputs.values() for tensor, version in held):
         return None
     return _first_bad(outputs) is not None
+
+
+def _refilled(batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> list[int]:
+    """The forwards (``StepLog.batches``) whose held inputs share memory with a later forward's."""
+    last: dict[int, int] = {}
+    memory = [[_memory(tensor) for tensor, _ in held] for *_, held in batches]
+    for forward, pointers in enumerate(memory):
+        last.update((pointer, forward) for pointer in pointers if pointer)
+    return [forward for forward, pointers in enumerate(memory) if any(last.get(p, forward) > forward for p in pointers)]
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """Where a tensor's storage begins (0: not known, a tensor subclass's or a storage-less one's)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _first_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, torch.Tensor, int] | None:

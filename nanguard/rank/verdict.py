@@ -54,7 +54,7 @@ def with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Loo
             if look.bad_output is not None:
                 _as_output(event, *look.bad_output)
         return replace(finding, position=None)
-    if event.kind == "loss" and look.gradient_in_bad and event.extra.get("bad_params"):
+    if event.kind == "loss" and look.gradient_in_bad and event.extra.get("bad_params") and not look.original_outputs_bad:
         # what the diagnosis could only suspect, the gradient kept at the model's output shows
         known = [k for k in look.gradient_in_bad if k is not None]
         event.micro_batch = known[0] if known else event.micro_batch

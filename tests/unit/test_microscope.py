@@ -76,6 +76,34 @@ def test_a_deterministic_fault_is_named_alike_in_both_modes(mode, micro_batches,
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("refill", ["through .data", "through numpy"])
+def test_a_buffer_refilled_without_a_version_between_micro_batches_is_never_called_a_transient(mode, refill):
+    # one input buffer for both micro-batches, refilled where no in-place version counts it: the re-run of
+    # micro-batch 0 gets micro-batch 1's data, clean, which proves nothing of the hardware
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _faulty_on_the_mark(model)
+    buf, gen = torch.zeros(5, 8), torch.Generator().manual_seed(1)
+    with nanguard.init(model, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(3):
+            for k in range(2):
+                fresh = torch.randn(5, 8, generator=gen)
+                if step == 2 and k == 0:
+                    fresh[1, 1] = MARK
+                if refill == "through .data":
+                    buf.data.copy_(fresh)
+                else:
+                    buf.numpy()[:] = fresh.numpy()
+                loss = nn.functional.cross_entropy(model(buf), torch.randint(0, 4, (5,), generator=gen)) / 2
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert event.step == 2 and (event.reproduced, event.verdict) == (None, None)
+    assert "refilled" in event.message and "the forward was finite" not in event.message
+
+
 class FirstTimeOnly(nn.Module):
     """Makes a NaN on its ``bad_call``-th execution only: a fault a re-run does not make again (a
     stand-in for a bit flipped by the hardware)."""
