@@ -363,8 +363,7 @@ class Decider:
                                   evidence=made.evidence, slots=(made.value_slots, made.evidence_slots))
                 reading = replace(reading, probes=fresh.probes if fresh is not None else [],
                                   evidence=fresh.evidence if fresh is not None else [])
-                unsure = look.missed or look.refilled
-                if look.diverged or (unsure and all(map(math.isfinite, look.forward_probes(reading.probes)))):
+                if look.diverged or (look.unsure and all(map(math.isfinite, look.forward_probes(reading.probes)))):
                     # its probes are not the original pass's, or not all of it and finite: they say nothing
                     # of where the value was born, nor that the forward was finite
                     detector.log.forget_probes()

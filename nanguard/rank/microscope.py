@@ -98,6 +98,11 @@ class Look:
     """the micro-batches whose inputs, held by reference, share memory with a later micro-batch's: a buffer refilled between them where no in-place version tells it (written through
     ``.data``, or a numpy view), so what they were fed may be gone"""
 
+    @property
+    def unsure(self) -> bool:
+        """Some of the step was not re-run, or not from what it was fed: a clean re-run proves nothing."""
+        return bool(self.missed or self.refilled)
+
     def forward_probes(self, probes: list[float]) -> list[float]:
         """The probes (as read from the log) that the re-run's forwards made."""
         return probes[self.forward_values[0]:self.forward_values[1]]
