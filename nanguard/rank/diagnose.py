@@ -176,6 +176,15 @@ def _past_masks(catalog: Catalog, log: StepLog, extremes: list[tuple[float, floa
     return first, fields
 
 
+def finite_forward(unchecked: int) -> str:
+    """That the step's forward was finite, as far as it was checked (``StepLog.parts_unchecked``: what was not)."""
+    if not unchecked:
+        return "the forward was finite"
+    return (f"the forward was finite where it was checked ({unchecked} call(s) of the model's parts"
+            " with autograd off in this step, a teacher's targets say, were not: a NaN they made would show"
+            " only in the loss; guard.check what they return)")
+
+
 def _minus_inf_only(pair: tuple[float, float] | None) -> bool:
     """Whether a probe's non-finite values are -inf alone (its minimum -inf, its maximum below +inf)."""
     return pair is not None and pair[0] == -math.inf and not math.isnan(pair[1]) and pair[1] != math.inf
@@ -239,7 +248,7 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                      "finite_min", "finite_max", "finite_mean")  # (the gradient's, not the loss's)
         return {key: value for key, value in fields.items() if key not in described} | {
             "kind": "loss", "layer": "loss", "module_type": "",
-            "message": f"the forward was finite but {counted}, starting with {names[0]}, the first"
+            "message": f"{finite_forward(log.parts_unchecked)} but {counted}, starting with {names[0]}, the first"
                        " in backward order: either the gradient entering the model's backward pass was"
                        " non-finite, most likely made by the loss (or code between the model and the"
                        " loss; guard.check(loss) shows the loss's value), or the backward of"

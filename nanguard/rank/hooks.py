@@ -206,7 +206,10 @@ def hook_parts(detector: Detector, parts: Iterable[nn.Module]) -> None:
     @untraced
     def hook(module, args, kwargs):
         log = detector.log
-        if detector.depth or detector.rerunning or not torch.is_grad_enabled():
+        if detector.depth or detector.rerunning:
+            return
+        if not torch.is_grad_enabled():
+            log.parts_unchecked += 1  # (what a report of the step that says its forward was finite tells)
             return
         if len(log.parts) >= MAX_PARTS:
             log.parts_over += 1

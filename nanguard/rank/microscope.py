@@ -38,7 +38,8 @@ from .records import CHECK, OUT, Context, version_of
 
 _CARRIED_LISTS = ("buckets", "bucket_groups", "bucket_passes", "summed_after", "batches", "contexts", "parts")
 """what the original pass left in the step's log that the re-run does not make again"""
-_CARRIED = ("produced", "left", "unmeasured", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over")
+_CARRIED = ("produced", "left", "unmeasured", "started", "trained", "buffers_at_start", "buffer_versions", "parts_over",
+            "parts_unchecked")
 
 
 _UNKEPT = ("the backward pass of micro-batch(es) {} was not re-run: the gradient that reached the model's output was not"
@@ -94,6 +95,8 @@ class Look:
     non-finite: it came from above the model (the loss), which no re-run of the model makes"""
     unkept: list[int] = field(default_factory=list)
     """the micro-batches whose backward pass ran but whose output's gradient was not kept: not re-run"""
+    unchecked_parts: int = 0
+    """calls of the model's parts with autograd off in the original pass: not checked (``StepLog.parts_unchecked``)"""
     refilled: list[int] = field(default_factory=list)
     """the micro-batches whose inputs, held by reference, share memory with a later micro-batch's: a buffer refilled between them where no in-place version tells it (written through
     ``.data``, or a numpy view), so what they were fed may be gone"""
@@ -165,6 +168,7 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
         forward, tensor, version = first
         look.bad_output = (log.contexts[forward].micro_batch if forward < len(log.contexts) else None,
                            tensor, version >= 0)
+    look.unchecked_parts = log.parts_unchecked
     look.refilled = [log.contexts[k].micro_batch if k < len(log.contexts) else k for k in _refilled(log.batches)]
     look.gradient_in_bad = [log.contexts[k].micro_batch if 0 <= k < len(log.contexts) else None
                             for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]

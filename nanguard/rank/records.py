@@ -273,6 +273,9 @@ class StepLog:
     references, for the microscope (``hooks.MAX_PARTS`` a step at most)"""
     parts_over: int = 0
     """calls of the model's parts beyond ``MAX_PARTS`` in this step: not held, so not re-run"""
+    parts_unchecked: int = 0
+    """calls of the model's parts the script made with autograd off in this step (an EMA teacher's
+    targets): neither checked nor re-run"""
     handed: list[tuple[weakref.ref, dict[str, torch.Tensor]]] = field(default_factory=list)
     """(the module, the weights by name) of each call of a guarded module run with weights it was handed
     (``torch.func.functional_call``), by reference (``hooks.MAX_PARTS`` a step at most)"""
@@ -321,7 +324,7 @@ class StepLog:
         self.value_slots.clear()
         self.evidence_slots.clear()
         self.produced = self.left = self.loss_at = None
-        self.calls = self.parts_over = 0
+        self.calls = self.parts_over = self.parts_unchecked = 0
         self.started = self.trained = self.unmeasured = False
         self.buffers_at_start, self.buffer_versions = {}, {}
 

@@ -13,6 +13,7 @@ import torch
 from ..config import Settings
 from ..events import Event
 from . import forensics, microscope
+from .diagnose import finite_forward
 from .detector import Detector
 from .reading import Finding
 
@@ -26,7 +27,7 @@ _RERAN = ("not reproduced: the microscope re-ran the step from memory on this de
 _TRANSIENT = _RERAN + "; nothing in the model is blamed for it"
 _TRANSIENT_SEEN = _RERAN + "; this step's probes saw it born here"
 _UNSEEN = "whether it is reproducible is not known: {}"
-_FROM_THE_LOSS = ("the forward was finite, and the gradient that reached the model's output{}"
+_FROM_THE_LOSS = ("{}, and the gradient that reached the model's output{}"
                   " was already non-finite there (kept for the microscope): it was made by the loss or by code"
                   " between the model and the loss, not by the model's backward pass, whose first parameter"
                   " gradient it made non-finite is {} (guard.check(loss) shows the loss's value)")
@@ -59,7 +60,7 @@ def with_verdict(finding: Finding, reproduced: bool | None, look: microscope.Loo
         known = [k for k in look.gradient_in_bad if k is not None]
         event.micro_batch = known[0] if known else event.micro_batch
         where = f" in micro-batch(es) {', '.join(map(str, known))}" if known else ""
-        event.message = _FROM_THE_LOSS.format(where, event.extra["bad_params"][0])
+        event.message = _FROM_THE_LOSS.format(finite_forward(look.unchecked_parts), where, event.extra["bad_params"][0])
     if reproduced is None and look.missed:
         event.message = "; ".join(filter(None, (event.message, _UNSEEN.format("; ".join(look.missed)))))
     if reproduced and event.kind == "grad" and event.micro_batch is None and look.backward_first is not None:

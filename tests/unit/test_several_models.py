@@ -5,6 +5,7 @@ an incident holds of each model."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -665,3 +666,30 @@ def test_a_bare_init_beside_a_guard_of_one_model_leaves_that_models_steps_to_it(
     assert mine_events == [(1, "forward", "0")]
     assert bare_events == [(2, "forward", "0")]  # (its first model's names are the model's own)
     assert all(torch.isfinite(p).all() for m in (mine, other) for p in m.parameters())
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "full"])
+def test_a_teachers_unchecked_targets_are_told_where_a_report_says_the_forward_was_finite(mode):
+    # a student and its EMA teacher guarded in one container; the teacher's targets are made with autograd
+    # off, which nothing checks: a NaN they bring stops the step at the loss, and the report does not say
+    # the forward was finite without saying what was not checked
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    both = nn.ModuleDict({"student": student, "teacher": teacher})
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with nanguard.init(both, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(4):
+            x = torch.randn(5, 8)
+            if step == 2:
+                with torch.no_grad():
+                    teacher[2].weight[0, 0] = math.nan
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = nn.functional.cross_entropy(student(x), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert event.step == 2 and event.kind == "loss"
+    assert "1 call(s) of the model's parts with autograd off in this step" in event.message
