@@ -604,6 +604,19 @@ def test_the_names_of_freed_parameters_are_forgotten():
     assert not catalog.param_names and not catalog.param_holders
 
 
+def _distill(student: nn.Module, teacher: nn.Module, optimizer: torch.optim.Optimizer, bad: bool) -> None:
+    """One distillation step: the teacher's targets made with autograd off (a NaN weight of its own first, ``bad``)."""
+    x = torch.randn(4, 8)
+    if bad:
+        with torch.no_grad():
+            teacher[2].weight[0, 0] = math.nan
+    with torch.no_grad():
+        target = teacher(x).softmax(-1)
+    nn.functional.kl_div(student(x).log_softmax(-1), target, reduction="batchmean").backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 @pytest.mark.modes("sentinel", "full")
 def test_a_teachers_nan_under_no_grad_is_told_beside_the_loss_it_made(guard_mode):
     # distillation under a bare init(): the teacher runs under no_grad, so its forward is settled
@@ -618,16 +631,7 @@ def test_a_teachers_nan_under_no_grad_is_told_beside_the_loss_it_made(guard_mode
                 if step == 1:  # a validation pass with a NaN input: of no step, told of nowhere else
                     with torch.no_grad():
                         student(torch.full((2, 8), math.nan))
-                x = torch.randn(4, 8)
-                if step == 3:
-                    with torch.no_grad():
-                        teacher[2].weight[0, 0] = math.nan
-                with torch.no_grad():
-                    target = teacher(x).softmax(-1)
-                logits = student(x)
-                nn.functional.kl_div(logits.log_softmax(-1), target, reduction="batchmean").backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                _distill(student, teacher, optimizer, bad=step == 3)
     event = info.value.event
     assert event.step == 3 and event.kind in ("loss", "grad"), event
     # (the full mode names the teacher's module; the sentinel, which probes an evaluation's output only, the teacher)
@@ -680,16 +684,7 @@ def test_a_teachers_unchecked_targets_are_told_where_a_report_says_the_forward_w
     optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
     with nanguard.init(both, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
         for step in range(4):
-            x = torch.randn(5, 8)
-            if step == 2:
-                with torch.no_grad():
-                    teacher[2].weight[0, 0] = math.nan
-            with torch.no_grad():
-                target = teacher(x).softmax(-1)
-            loss = nn.functional.cross_entropy(student(x), target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            _distill(student, teacher, optimizer, bad=step == 2)
     event = info.value.event
     assert event.step == 2 and event.kind == "loss"
     assert "1 call(s) of the model's parts with autograd off in this step" in event.message
