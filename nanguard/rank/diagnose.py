@@ -254,6 +254,11 @@ def gradient_fields(catalog: Catalog, log: StepLog, owners: list[torch.Tensor],
                        " loss; guard.check(loss) shows the loss's value), or the backward of"
                        f" {catalog.slots[slot].name or 'the model'} itself made it (a custom autograd"
                        " Function there, say; a replay's operation check tells the two apart)"}
+    if slot is None and id(bad[0][0]) not in catalog.param_names:
+        return fields | {"message": f"{counted}, this one first in backward order; it belongs to no module of the"
+                                    " guarded model (an optimizer given to init steps another model's parameters:"
+                                    " guard that model too, in one container with this one, or with a guard"
+                                    " of its own), so where it was born is not known here"}
     if slot not in order:
         return fields | {"message": f"{counted}; the forward of its module did not run in this step (since the"
                                     " last optimizer step): its output was made earlier and used again, as a"

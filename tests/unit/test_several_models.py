@@ -688,3 +688,20 @@ def test_a_teachers_unchecked_targets_are_told_where_a_report_says_the_forward_w
     event = info.value.event
     assert event.step == 2 and event.kind == "loss"
     assert "1 call(s) of the model's parts with autograd off in this step" in event.message
+
+
+def test_a_nan_in_the_gradients_of_an_unguarded_model_whose_optimizer_was_given_says_so(caplog):
+    # init(generator, [opt_g, opt_d]): the critic is not guarded, its optimizer is; a NaN in its gradients is
+    # stopped, and the report says they belong to no guarded module, not that a forward was made earlier
+    generator, critic, opt_g, opt_d = gan()
+    with nanguard.init(generator, [opt_g, opt_d]), pytest.raises(nanguard.NonFiniteError) as info:
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    critic[0].weight[0, 0] = math.nan
+            gan_iteration(generator, critic, opt_g, opt_d)
+    assert "steps none of the parameters of the model given" in caplog.text  # (said at init)
+    event = info.value.event
+    assert event.step == 2 and event.kind == "grad" and event.layer.startswith("<unnamed parameter")
+    assert "belongs to no module of the guarded model" in event.message
+    assert "used again" not in event.message
