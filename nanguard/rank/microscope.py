@@ -98,8 +98,9 @@ class Look:
     unchecked_parts: int = 0
     """calls of the model's parts with autograd off in the original pass: not checked (``StepLog.parts_unchecked``)"""
     refilled: list[int] = field(default_factory=list)
-    """the micro-batches whose inputs, held by reference, share memory with a later micro-batch's: a buffer refilled between them where no in-place version tells it (written through
-    ``.data``, or a numpy view), so what they were fed may be gone"""
+    """the micro-batches whose inputs, held by reference, begin where a later micro-batch's do: a buffer
+    refilled between them where no in-place version tells it (written through ``.data``, or a numpy
+    view), so what they were fed may be gone"""
 
     @property
     def unsure(self) -> bool:
@@ -453,7 +454,7 @@ def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: i
 
 
 def _refilled(batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> list[int]:
-    """The forwards (``StepLog.batches``) whose held inputs share memory with a later forward's."""
+    """The forwards (``StepLog.batches``) whose held inputs begin in memory where a later forward's do."""
     last: dict[int, int] = {}
     memory = [[_memory(tensor) for tensor, _ in held] for *_, held in batches]
     for forward, pointers in enumerate(memory):
@@ -462,9 +463,10 @@ def _refilled(batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int
 
 
 def _memory(tensor: torch.Tensor) -> int:
-    """Where a tensor's storage begins (0: not known, a tensor subclass's or a storage-less one's)."""
+    """Where a tensor's first element is (0: not known, a tensor subclass's or an empty one's): the micro-batches
+    of one batch cut in chunks share its storage but begin apart; a refilled buffer begins where it did."""
     try:
-        return tensor.untyped_storage().data_ptr()
+        return tensor.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return 0
 

@@ -104,6 +104,24 @@ def test_a_buffer_refilled_without_a_version_between_micro_batches_is_never_call
     assert "refilled" in event.message and "the forward was finite" not in event.message
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_cut_from_one_batch_are_not_taken_for_a_refilled_buffer(mode):
+    # chunks of one batch share its storage, each beginning apart: a transient in one of them is still one
+    model = _transient_model(bad_call=5)  # step 2's micro-batch 0 (two calls a step)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.init(model, optimizer, mode=mode), pytest.raises(nanguard.NonFiniteError) as info:
+        for _ in range(4):
+            batch, labels = torch.randn(10, 8, generator=gen), torch.randint(0, 4, (10,), generator=gen)
+            for x, y in zip(batch.chunk(2), labels.chunk(2)):
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    event = info.value.event
+    assert (event.step, event.micro_batch, event.reproduced, event.verdict) == (2, 0, False, "transient")
+    assert "refilled" not in event.message
+
+
 class FirstTimeOnly(nn.Module):
     """Makes a NaN on its ``bad_call``-th execution only: a fault a re-run does not make again (a
     stand-in for a bit flipped by the hardware)."""
