@@ -88,14 +88,15 @@ class Run:
         self.guard = nanguard.init(self.model, self.optimizer, mode=mode) if mode else None
         self.forward = torch.compile(self.model) if args.compile else self.model
         self.accum = args.accum
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=self.device)
-        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+        # each micro-batch its own tokens, as a loader feeds them
+        tokens = torch.randint(0, args.vocab, (args.accum, args.batch, args.seq + 1), device=self.device)
+        self.batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
 
     def step(self) -> None:
-        for _ in range(self.accum):
+        for x, y in self.batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                logits = self.forward(self.x)
-                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), self.y.reshape(-1))
+                logits = self.forward(x)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
             if self.guard is not None:
                 self.guard.check(loss)
             (loss / self.accum).backward()

@@ -434,14 +434,15 @@ def synchronize(device: torch.device) -> None:
 
 
 class Runner:
-    """One model + optimizer + fixed batch with a variant attached."""
+    """One model + optimizer + fixed batches (one per micro-batch, as a loop feeds each its own) with a
+    variant attached."""
 
     def __init__(self, spec: ModelSpec, variant: Variant, device: torch.device):
         torch.manual_seed(SEED)
         self.model = spec.build().to(device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         gen = torch.Generator().manual_seed(SEED + 1)
-        self.batch = tuple(t.to(device) for t in spec.make_batch(gen))
+        self.batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(spec.micro_batches)]
         self.loss = spec.loss
         self.spec = spec
         self.variant = variant
@@ -451,9 +452,9 @@ class Runner:
     def step(self) -> None:
         spec = self.spec
         with self.variant.step_context():
-            for _ in range(spec.micro_batches):
+            for batch in self.batches:
                 with torch.autocast(self.device.type, dtype=spec.autocast, enabled=spec.autocast is not None):
-                    loss = self.loss(self.model, *self.batch)
+                    loss = self.loss(self.model, *batch)
                 (loss / spec.micro_batches).backward()
             if spec.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)

@@ -3,8 +3,10 @@
 The capture holds a micro-batch by reference, and its tensors may change in place before the
 decision: a loop that refills one input buffer for every micro-batch (a pinned prefetch buffer,
 the static inputs of a CUDA graph), a model that normalises its input in place. Once a step's
-decision finds one of its batch tensors changed in place, every later forward's batch is copied
-as the forward begins, so what each was fed outlives the change. Changes in that first step are
+decision finds one of its batch tensors changed in place, or two of its micro-batches fed from
+one place in memory (a buffer refilled through ``.data`` or a numpy view changes no version, so
+one fed twice cannot be told from one refilled), every later forward's batch is copied as the
+forward begins, so what each was fed outlives the change. Changes in that first step are
 seen by the tensors' versions: ``as_fed`` marks such a tensor ``Changed``, never writes it as the
 data that was fed.
 """
@@ -39,7 +41,27 @@ class Feeds:
 
     def step_decided(self, batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> None:
         """The step's held batches (``StepLog.batches``) before they are let go."""
-        self.copying = self.copying or any(moved(t, version) for *_, held in batches for t, version in held)
+        self.copying = self.copying or any(moved(t, version) for *_, held in batches for t, version in held) or (
+            len(batches) > 1 and bool(refilled(batches)))
+
+
+def refilled(batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> list[int]:
+    """The forwards (``StepLog.batches``) whose held inputs begin in memory where a later forward's do:
+    one buffer fed to both, refilled between them or not (no version tells which)."""
+    last: dict[int, int] = {}
+    memory = [[_memory(tensor) for tensor, _ in held] for *_, held in batches]
+    for forward, pointers in enumerate(memory):
+        last.update((pointer, forward) for pointer in pointers if pointer)
+    return [forward for forward, pointers in enumerate(memory) if any(last.get(p, forward) > forward for p in pointers)]
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """Where a tensor's first element is (0: not known, a tensor subclass's or an empty one's): the micro-batches
+    of one batch cut in chunks share its storage but begin apart; a refilled buffer begins where it did."""
+    try:
+        return tensor.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def moved(tensor: torch.Tensor, version: int) -> bool:

@@ -31,7 +31,7 @@ from .._tree import floating_tensors, map_tensors
 from ..incident.rng import cuda_in_use, rng_restore, rng_snapshot
 from . import forensics
 from .detector import Detector, batch_probes, let_go_clean
-from .fed import moved
+from .fed import moved, refilled
 from .modules import ddp_inner, eager, type_name
 from .records import CHECK, OUT, Context, version_of
 
@@ -170,7 +170,7 @@ def rerun(detector: Detector, params: list[torch.Tensor], probes: list[float]) -
         look.bad_output = (log.contexts[forward].micro_batch if forward < len(log.contexts) else None,
                            tensor, version >= 0)
     look.unchecked_parts = log.parts_unchecked
-    look.refilled = [log.contexts[k].micro_batch if k < len(log.contexts) else k for k in _refilled(log.batches)]
+    look.refilled = [log.contexts[k].micro_batch if k < len(log.contexts) else k for k in refilled(log.batches)]
     look.gradient_in_bad = [log.contexts[k].micro_batch if 0 <= k < len(log.contexts) else None
                             for k, (_, g) in sorted(output_grads.items()) if not bool(torch.isfinite(g).all())]
     look.unkept = [context.micro_batch for k, context in enumerate(log.contexts)
@@ -451,24 +451,6 @@ def _outputs_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]], forwards: i
                                       for held in outputs.values() for tensor, version in held):
         return None
     return _first_bad(outputs) is not None
-
-
-def _refilled(batches: list[tuple[int, tuple, dict, list[tuple[torch.Tensor, int]]]]) -> list[int]:
-    """The forwards (``StepLog.batches``) whose held inputs begin in memory where a later forward's do."""
-    last: dict[int, int] = {}
-    memory = [[_memory(tensor) for tensor, _ in held] for *_, held in batches]
-    for forward, pointers in enumerate(memory):
-        last.update((pointer, forward) for pointer in pointers if pointer)
-    return [forward for forward, pointers in enumerate(memory) if any(last.get(p, forward) > forward for p in pointers)]
-
-
-def _memory(tensor: torch.Tensor) -> int:
-    """Where a tensor's first element is (0: not known, a tensor subclass's or an empty one's): the micro-batches
-    of one batch cut in chunks share its storage but begin apart; a refilled buffer begins where it did."""
-    try:
-        return tensor.data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
 
 
 def _first_bad(outputs: dict[int, list[tuple[torch.Tensor, int]]]) -> tuple[int, torch.Tensor, int] | None:
