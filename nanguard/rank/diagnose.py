@@ -164,14 +164,14 @@ def _past_masks(catalog: Catalog, log: StepLog, extremes: list[tuple[float, floa
     fields = forward_fields(catalog, log, extremes, first)
     if log.records[first].role != OUT or not _minus_inf_only(extremes[first]):
         return first, fields
-    for index in range(first + 1, len(log.records)):
-        if log.records[index].role == OUT and not finite_extremes(extremes[index]) and not _minus_inf_only(
-                extremes[index]):
-            if bad_state(log, catalog.slots[log.records[index].slot]):  # a fault of its own, whatever it took
-                later = forward_fields(catalog, log, extremes, index)
-                mask = catalog.slots[log.records[first].slot].name or "the model"
-                return index, later | {"message": "; ".join(filter(None, (
-                    later.get("message"), _MASKED_BEFORE.format(mask))))}
+    # a later output made NaN or +inf by a module whose own state is non-finite: a fault of its own, whatever it took
+    index = next((i for i in range(first + 1, len(log.records)) if log.records[i].role == OUT and not (
+        finite_extremes(extremes[i]) or _minus_inf_only(extremes[i])) and bad_state(
+        log, catalog.slots[log.records[i].slot])), None)
+    if index is not None:
+        later = forward_fields(catalog, log, extremes, index)
+        mask = catalog.slots[log.records[first].slot].name or "the model"
+        return index, later | {"message": "; ".join(filter(None, (later.get("message"), _MASKED_BEFORE.format(mask))))}
     fields["message"] = "; ".join(filter(None, (fields.get("message"), _MASK_OR_NOT)))
     return first, fields
 
